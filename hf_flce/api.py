@@ -1,0 +1,211 @@
+"""Public API: the fused ``lm_head`` + cross-entropy op, its module form and the per-token statistics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .backends import resolve_backend
+from .backends.base import TileParams
+from .engine import CallPlan, FusedLinearCrossEntropyFunction
+from .options import FLCEOptions, check_tensors
+
+
+@dataclass
+class FLCEStats:
+    """Per-token statistics in the shape of ``target``; 0 (False) at ignored positions.
+
+    All are computed on the transformed logits (after softcap and temperature).
+    ``logprobs`` (log p(target)) and ``entropy`` are differentiable, and their gradients flow through the fused
+    backward; ``lse`` (log-sum-exp), ``is_top1`` (target is the first argmax) and ``mean_logit`` are not.
+    """
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor
+    lse: torch.Tensor
+    is_top1: torch.Tensor
+    mean_logit: torch.Tensor
+
+
+def _denominator(target, valid_rows_weight, opts: FLCEOptions, num_items_in_batch, device) -> torch.Tensor | None:
+    if num_items_in_batch is not None:
+        den = torch.as_tensor(num_items_in_batch, device=device).to(torch.float32).reshape(())
+    elif opts.reduction == "sum":
+        den = torch.ones((), dtype=torch.float32, device=device)
+    elif opts.reduction == "mean":
+        den = valid_rows_weight
+    else:
+        return None
+    # Nothing to average over (every label ignored): the sum is 0 and so is the loss, not NaN.
+    return torch.where(den == 0, torch.ones_like(den), den)
+
+
+def fused_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    num_items_in_batch: int | float | torch.Tensor | None = None,
+    label_smoothing: float = 0.0,
+    class_weight: torch.Tensor | None = None,
+    z_loss: float = 0.0,
+    softcap: float | None = None,
+    temperature: float = 1.0,
+    return_stats: bool = False,
+    backend: str = "auto",
+    memory_budget: int | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, FLCEStats]:
+    """Cross-entropy of ``hidden @ weight.T + bias`` against ``target`` without materialising the logits.
+
+    Equal to ``F.cross_entropy(F.linear(hidden, weight, bias), target, ...)`` (logits transformed by
+    ``softcap * tanh(z / softcap)`` then divided by ``temperature``), plus ``z_loss * lse**2`` on every non-ignored
+    token. Only ``memory_budget`` bytes of logits (default 1 GiB on accelerators, 256 MiB on CPU, or the
+    ``HF_FLCE_MEMORY_BUDGET`` environment variable) are alive at once.
+
+    Args:
+        hidden: ``[..., H]`` float32, bfloat16 or float16.
+        weight: ``[V, H]``, the ``lm_head`` weight, same dtype as ``hidden`` (or any float dtype under autocast).
+        target: integer tensor of shape ``hidden.shape[:-1]``; ``ignore_index`` entries are skipped.
+        bias: optional ``[V]``.
+        reduction: ``"mean"`` (over non-ignored tokens, class-weighted), ``"sum"`` or ``"none"``.
+        num_items_in_batch: HF gradient accumulation: the loss is ``sum / num_items_in_batch``.
+        label_smoothing, class_weight: as ``torch.nn.functional.cross_entropy``'s ``label_smoothing`` and ``weight``.
+        z_loss: coefficient of the PaLM z-loss ``lse**2``.
+        softcap, temperature: logit transforms, softcap first.
+        return_stats: also return an :class:`FLCEStats`.
+        backend: ``"auto"``, ``"torch"``, ``"triton"`` or ``"ascend"``.
+        memory_budget: bytes of logits alive at once.
+
+    Returns:
+        The loss (0-d, or the shape of ``target`` for ``reduction="none"``, float32), and the stats if asked.
+
+    Example:
+        >>> import torch, hf_flce
+        >>> hidden = torch.randn(2, 5, 16, requires_grad=True)
+        >>> weight = torch.randn(100, 16, requires_grad=True)
+        >>> target = torch.randint(0, 100, (2, 5))
+        >>> target[0, :2] = -100
+        >>> loss = hf_flce.fused_linear_cross_entropy(hidden, weight, target)
+        >>> loss.backward()
+        >>> ref = torch.nn.functional.cross_entropy((hidden @ weight.T).flatten(0, 1), target.flatten())
+        >>> torch.allclose(loss, ref, atol=1e-5)
+        True
+    """
+    opts = FLCEOptions(
+        ignore_index=ignore_index,
+        reduction=reduction,
+        label_smoothing=label_smoothing,
+        z_loss=z_loss,
+        softcap=softcap,
+        temperature=temperature,
+        memory_budget=memory_budget,
+    )
+    if not isinstance(return_stats, bool):
+        raise TypeError(f"return_stats must be a bool, got {type(return_stats).__name__}")
+    if num_items_in_batch is not None:
+        if reduction != "mean":
+            raise ValueError(
+                f"num_items_in_batch gives sum / num_items_in_batch and replaces the reduction; "
+                f"it cannot be combined with reduction={reduction!r}"
+            )
+        if isinstance(num_items_in_batch, bool) or not isinstance(num_items_in_batch, (int, float, torch.Tensor)):
+            raise TypeError(
+                f"num_items_in_batch must be an int, float or 0-d tensor, got {type(num_items_in_batch).__name__}"
+            )
+        if isinstance(num_items_in_batch, torch.Tensor) and num_items_in_batch.numel() != 1:
+            raise ValueError(f"num_items_in_batch must be a single number, got shape {tuple(num_items_in_batch.shape)}")
+        if not isinstance(num_items_in_batch, torch.Tensor) and num_items_in_batch < 0:
+            raise ValueError(f"num_items_in_batch must be >= 0, got {num_items_in_batch}")
+
+    if torch.is_autocast_enabled(hidden.device.type) and isinstance(weight, torch.Tensor):
+        # Compute as F.linear would under autocast: both operands in the autocast dtype.
+        dtype = torch.get_autocast_dtype(hidden.device.type)
+        if hidden.is_floating_point():
+            hidden = hidden.to(dtype)
+        weight = weight.to(dtype)
+        if bias is not None:
+            bias = bias.to(dtype)
+    check_tensors(hidden, weight, target, bias, class_weight)
+
+    tiles = resolve_backend(backend, hidden.device)
+    vocab, size = weight.shape
+    x = hidden.reshape(-1, size)
+    y = target.reshape(-1)
+    if y.dtype != torch.int64:
+        y = y.long()
+    valid = y != opts.ignore_index
+    cw = None
+    cw_sum = None
+    if class_weight is not None:
+        cw = class_weight.detach().to(torch.float32).contiguous()
+        cw_sum = cw.sum()
+        valid_weight = torch.where(valid, cw[torch.where(valid, y, 0).clamp(0, vocab - 1)], 0.0).sum()
+    else:
+        valid_weight = valid.sum().to(torch.float32)
+    params = TileParams(
+        vocab=vocab,
+        ignore_index=opts.ignore_index,
+        label_smoothing=float(opts.label_smoothing),
+        z_loss=float(opts.z_loss),
+        softcap=None if opts.softcap is None else float(opts.softcap),
+        inv_temperature=1.0 / float(opts.temperature),
+        class_weight=cw,
+        class_weight_sum=cw_sum,
+    )
+    plan = CallPlan(
+        tiles=tiles,
+        params=params,
+        reduction="none" if reduction == "none" and num_items_in_batch is None else "scalar",
+        denominator=_denominator(y, valid_weight, opts, num_items_in_batch, x.device),
+        budget=opts.budget_bytes(x.device),
+        want_stats=return_stats,
+    )
+    with torch.autocast(x.device.type, enabled=False):
+        loss, logprobs, entropy, lse, is_top1, mean_logit = FusedLinearCrossEntropyFunction.apply(
+            x, weight, bias, y, plan
+        )
+    if plan.reduction == "none":
+        loss = loss.reshape(target.shape)
+    if not return_stats:
+        return loss
+    shape = target.shape
+    stats = FLCEStats(
+        logprobs=logprobs.reshape(shape),
+        entropy=entropy.reshape(shape),
+        lse=lse.reshape(shape),
+        is_top1=is_top1.reshape(shape),
+        mean_logit=mean_logit.reshape(shape),
+    )
+    return loss, stats
+
+
+class FusedLinearCrossEntropyLoss(nn.Module):
+    """Module form of :func:`fused_linear_cross_entropy`; the keyword options are fixed at construction.
+
+    Example:
+        >>> import torch, hf_flce
+        >>> loss_fn = hf_flce.FusedLinearCrossEntropyLoss(label_smoothing=0.1)
+        >>> hidden, weight = torch.randn(8, 16), torch.randn(50, 16)
+        >>> loss = loss_fn(hidden, weight, torch.randint(0, 50, (8,)))
+        >>> loss.shape
+        torch.Size([])
+    """
+
+    def __init__(self, **options) -> None:
+        super().__init__()
+        allowed = set(fused_linear_cross_entropy.__kwdefaults__)
+        unknown = set(options) - allowed
+        if unknown:
+            raise TypeError(f"unknown option(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
+        self.options = options
+
+    def forward(self, hidden, weight, target, bias=None, **overrides):
+        return fused_linear_cross_entropy(hidden, weight, target, bias, **{**self.options, **overrides})
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v!r}" for k, v in self.options.items())

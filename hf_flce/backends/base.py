@@ -1,0 +1,95 @@
+"""The contract between the shared chunk driver (``hf_flce.engine``) and a backend.
+
+The driver does the GEMMs (cuBLAS, torch_npu or CPU BLAS through ``torch.mm``), the chunking and autograd. A backend
+only does the passes over one chunk of logits, ``[rows, V]``: the statistics and loss of each row, and the gradient of
+the logits. Row ``i`` of a chunk holds raw logits ``z = x_i W^T + b`` in float32; the backend applies softcap and
+temperature itself, so that every backend transforms the logits the same way.
+
+Gradient of one row (``t`` the transformed logits, ``p = softmax(t)``, ``w`` the class weights, ``eps`` the label
+smoothing, ``y`` the target):
+
+    loss  = (1 - eps) * w_y * (lse - t_y) + eps / V * sum_j w_j * (lse - t_j) + z_loss * lse**2
+    dloss/dt_j = p_j * ((1 - eps) * w_y + eps / V * sum_k w_k + 2 * z_loss * lse)
+                 - (1 - eps) * w_y * [j == y] - eps / V * w_j
+    dlogp/dt_j = [j == y] - p_j                       (logp = t_y - lse)
+    dH/dt_j    = -p_j * (t_j - lse + H)               (H = lse - sum_j p_j t_j)
+
+and ``dt/dz = (1 - tanh(z / softcap)**2) / temperature``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class TileParams:
+    """Per-call constants of the tile passes."""
+
+    vocab: int
+    ignore_index: int
+    label_smoothing: float
+    z_loss: float
+    softcap: float | None
+    inv_temperature: float
+    class_weight: torch.Tensor | None  # float32 [V]
+    class_weight_sum: torch.Tensor | None  # float32 0-d, sum of class_weight
+
+    @property
+    def plain(self) -> bool:
+        return (
+            self.label_smoothing == 0.0
+            and self.z_loss == 0.0
+            and self.softcap is None
+            and self.inv_temperature == 1.0
+            and self.class_weight is None
+        )
+
+
+@dataclass
+class TileStats:
+    """Per-row results of a forward tile pass; all ``[rows]``, 0 (False) at ignored rows."""
+
+    loss: torch.Tensor  # float32, class-weighted, smoothing and z-loss included
+    lse: torch.Tensor  # float32
+    logprob: torch.Tensor  # float32
+    entropy: torch.Tensor  # float32
+    is_top1: torch.Tensor  # bool
+    mean_logit: torch.Tensor  # float32
+
+
+class TileOps(Protocol):
+    name: str
+    # Scratch bytes per logit the backend needs on top of the float32 logits chunk (used to size chunks).
+    scratch_bytes_per_logit: int
+
+    def forward(
+        self,
+        logits: torch.Tensor,
+        target: torch.Tensor,
+        params: TileParams,
+        grad_scale: torch.Tensor | None = None,
+        grad_out: torch.Tensor | None = None,
+    ) -> TileStats:
+        """Statistics of each row. With ``grad_scale`` ([rows] float32), also writes
+        ``d(sum_i grad_scale_i * loss_i) / d logits`` into ``grad_out`` ([rows, V], may be ``logits`` itself)."""
+        ...
+
+    def backward(
+        self,
+        logits: torch.Tensor,
+        target: torch.Tensor,
+        lse: torch.Tensor,
+        entropy: torch.Tensor,
+        params: TileParams,
+        grad_loss: torch.Tensor | None,
+        grad_logprob: torch.Tensor | None,
+        grad_entropy: torch.Tensor | None,
+        grad_out: torch.Tensor,
+    ) -> None:
+        """Writes the logits gradient for per-row upstream gradients of loss, logprob and entropy
+        (each [rows] float32, or None for zero) into ``grad_out`` ([rows, V], may be ``logits`` itself)."""
+        ...

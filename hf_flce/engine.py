@@ -1,0 +1,297 @@
+"""The chunk driver shared by every backend: GEMMs, chunking by a memory budget, compaction and autograd.
+
+Two strategies, picked per call:
+
+* **Scalar loss** (``mean``/``sum``/``num_items_in_batch``) with gradients wanted: the gradient of each chunk's
+  logits is known up to the upstream scalar, so it is computed during forward and turned into ``dX`` and ``dW``
+  right away (three GEMMs in all: logits, ``dX = G W``, ``dW = G^T X``). Backward only scales them.
+* **Per-token outputs** (``reduction="none"``, or stats whose gradients are used): the upstream gradient is only
+  known in backward. Forward saves the log-sum-exp and entropy of each row; backward recomputes each chunk's logits
+  (a fourth GEMM), or reuses them when the whole set of logits fits the memory budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .backends.base import TileOps, TileParams
+
+_HAS_MM_OUT_DTYPE = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 8)
+
+
+@dataclass
+class CallPlan:
+    """Everything about one call that is not a tensor autograd tracks."""
+
+    tiles: TileOps
+    params: TileParams
+    reduction: str  # "none" or "scalar"
+    denominator: torch.Tensor | None  # float32 0-d: the scalar loss is sum / denominator
+    budget: int
+    want_stats: bool
+
+
+def _fp32_out(x: torch.Tensor) -> bool:
+    return _HAS_MM_OUT_DTYPE and x.device.type == "cuda" and x.dtype in (torch.bfloat16, torch.float16)
+
+
+def compute_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x W^T + b`` in float32. On CUDA the bf16/fp16 GEMM writes float32 directly, so the logits are never
+    rounded to 16 bits before the softmax (stock HF rounds them, which costs accuracy on peaked distributions)."""
+    if _fp32_out(x):
+        logits = torch.mm(x, weight.t(), out_dtype=torch.float32)
+    elif bias is not None and x.dtype == torch.float32:
+        return torch.addmm(bias, x, weight.t())
+    else:
+        logits = torch.mm(x, weight.t()).float()
+    if bias is not None:
+        logits += bias.float()
+    return logits
+
+
+def accumulate_dw(acc: torch.Tensor, grad_logits: torch.Tensor, x: torch.Tensor) -> None:
+    """``acc += grad_logits^T x`` with ``acc`` float32: summing chunk products in bf16 biases training."""
+    if _fp32_out(x):
+        torch.addmm(acc, grad_logits.t(), x, out_dtype=torch.float32, out=acc)
+    else:
+        acc.addmm_(grad_logits.t().float(), x.float())
+
+
+def _can_compact() -> bool:
+    # Compaction sizes the batch on the host (one sync). Under compilation or CUDA graph capture that is not allowed,
+    # so every row is processed and the tiles zero the ignored ones instead.
+    if torch.compiler.is_compiling():
+        return False
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return False
+    return True
+
+
+def check_target_range(target: torch.Tensor, vocab: int, ignore_index: int) -> None:
+    bad = (target != ignore_index) & ((target < 0) | (target >= vocab))
+    if target.device.type == "cpu":
+        if bool(bad.any()):
+            first = target[bad][0].item()
+            raise ValueError(f"target contains {first}, outside [0, V={vocab}) and not ignore_index={ignore_index}")
+    elif target.numel():
+        # No host sync: a device-side assert whose message names the problem.
+        torch._assert_async(~bad.any(), f"hf_flce: target outside [0, V={vocab}) and not ignore_index={ignore_index}")
+
+
+def _rows_per_chunk(plan: CallPlan, vocab: int, grad_bytes: int) -> int:
+    bytes_per_row = vocab * (4 + plan.tiles.scratch_bytes_per_logit + grad_bytes)
+    return max(1, plan.budget // bytes_per_row)
+
+
+def _chunks(n: int, size: int):
+    for start in range(0, n, size):
+        yield start, min(start + size, n)
+
+
+class _GradBuffers:
+    """dX rows, fp32-accumulated dW (written once when there is a single chunk) and db for one gradient pass."""
+
+    def __init__(self, x, weight, bias, n_chunks, need_dx, need_dw, need_db):
+        self.dx = torch.empty_like(x) if need_dx else None
+        self.single = n_chunks == 1
+        self.dw = None
+        if need_dw and not self.single:
+            self.dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        self.need_dw = need_dw
+        self.db = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_db else None
+        self.weight = weight
+
+    def add(self, start, end, grad_logits, x_chunk):
+        if self.dx is not None:
+            torch.mm(grad_logits, self.weight, out=self.dx[start:end])
+        if self.need_dw:
+            if self.single:
+                self.dw = grad_logits.t() @ x_chunk
+            else:
+                accumulate_dw(self.dw, grad_logits, x_chunk)
+        if self.db is not None:
+            self.db += grad_logits.sum(0, dtype=torch.float32)
+
+    def finish(self):
+        dw = None
+        if self.need_dw:
+            dw = torch.zeros_like(self.weight) if self.dw is None else self.dw.to(self.weight.dtype)
+        db = None if self.db is None else self.db
+        return self.dx, dw, db
+
+
+def _grad_buffer(logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return logits if dtype == torch.float32 else torch.empty(logits.shape, dtype=dtype, device=logits.device)
+
+
+def _scatter_rows(values: torch.Tensor, rows: torch.Tensor | None, n: int) -> torch.Tensor:
+    if rows is None:
+        return values
+    out = values.new_zeros((n,) + tuple(values.shape[1:]))
+    return out.index_copy_(0, rows, values)
+
+
+class FusedLinearCrossEntropyFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, target, plan: CallPlan):
+        n, vocab = x.shape[0], weight.shape[0]
+        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+        need_grad = any((need_dx, need_dw, need_db))
+        ctx.set_materialize_grads(False)
+        check_target_range(target, vocab, plan.params.ignore_index)
+
+        rows = None
+        xs, ys = x, target
+        if _can_compact():
+            rows = (target != plan.params.ignore_index).nonzero().squeeze(1)
+            if rows.numel() != n:
+                xs, ys = x.index_select(0, rows), target.index_select(0, rows)
+            else:
+                rows = None
+        n_valid = xs.shape[0]
+
+        eager = need_grad and plan.reduction == "scalar"
+        grad_bytes = x.element_size() if (eager and x.dtype != torch.float32) else 0
+        chunk = _rows_per_chunk(plan, vocab, grad_bytes)
+        n_chunks = max(1, -(-n_valid // chunk))
+        keep_logits = need_grad and not eager and n_chunks == 1 and n_valid * vocab * 4 <= plan.budget and n_valid > 0
+
+        f32 = dict(dtype=torch.float32, device=x.device)
+        loss_v = torch.empty(n_valid, **f32)
+        lse_v = torch.empty(n_valid, **f32)
+        logp_v = torch.empty(n_valid, **f32)
+        ent_v = torch.empty(n_valid, **f32)
+        mean_v = torch.empty(n_valid, **f32)
+        top1_v = torch.empty(n_valid, dtype=torch.bool, device=x.device)
+
+        grads = _GradBuffers(xs, weight, bias, n_chunks, need_dx, need_dw, need_db) if eager else None
+        grad_scale = None
+        if eager:
+            grad_scale = (1.0 / plan.denominator).to(torch.float32).expand(min(chunk, max(n_valid, 1)))
+        kept = None
+        for start, end in _chunks(n_valid, chunk):
+            logits = compute_logits(xs[start:end], weight, bias)
+            grad_out = _grad_buffer(logits, x.dtype) if eager else None
+            stats = plan.tiles.forward(
+                logits,
+                ys[start:end],
+                plan.params,
+                grad_scale=None if grad_scale is None else grad_scale[: end - start],
+                grad_out=grad_out,
+            )
+            loss_v[start:end] = stats.loss
+            lse_v[start:end] = stats.lse
+            logp_v[start:end] = stats.logprob
+            ent_v[start:end] = stats.entropy
+            mean_v[start:end] = stats.mean_logit
+            top1_v[start:end] = stats.is_top1
+            if eager:
+                grads.add(start, end, grad_out, xs[start:end])
+            elif keep_logits:
+                kept = logits
+
+        if plan.reduction == "none":
+            loss = _scatter_rows(loss_v, rows, n)
+        else:
+            loss = loss_v.sum() / plan.denominator
+        outputs = [loss] + [_scatter_rows(v, rows, n) for v in (logp_v, ent_v, lse_v, top1_v, mean_v)]
+        ctx.mark_non_differentiable(*outputs[3:])
+
+        ctx.plan = plan
+        ctx.eager = eager
+        ctx.n = n
+        ctx.grad_enabled = need_grad
+        ctx.shapes = (x.shape, weight.shape)
+        if need_grad:
+            eager_grads = grads.finish() if eager else (None, None, None)
+            dx = None if eager_grads[0] is None else _scatter_rows(eager_grads[0], rows, n)
+            ctx.eager_dw, ctx.eager_db = eager_grads[1], eager_grads[2]
+            ctx.save_for_backward(x, weight, bias, target, rows, lse_v, ent_v, dx, kept)
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx, g_loss, g_logp, g_ent, *unused):
+        if not ctx.grad_enabled:
+            return None, None, None, None, None
+        x, weight, bias, target, rows, lse_v, ent_v, eager_dx, kept = ctx.saved_tensors
+        plan = ctx.plan
+        if getattr(ctx, "kept_consumed", False):
+            kept = None  # a second backward (retain_graph) recomputes: the first one overwrote the kept logits
+        ctx.kept_consumed = kept is not None
+        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+        dx = dw = db = None
+        if ctx.eager and g_loss is not None:
+            scale = g_loss.to(torch.float32)
+            dx = None if eager_dx is None else eager_dx * scale.to(eager_dx.dtype)
+            dw = None if ctx.eager_dw is None else ctx.eager_dw * scale.to(ctx.eager_dw.dtype)
+            db = None if ctx.eager_db is None else ctx.eager_db * scale
+        per_token_loss = None if ctx.eager else g_loss
+        if per_token_loss is not None or g_logp is not None or g_ent is not None:
+            pdx, pdw, pdb = _recompute_grads(
+                x,
+                weight,
+                bias,
+                target,
+                rows,
+                lse_v,
+                ent_v,
+                kept,
+                plan,
+                per_token_loss,
+                g_logp,
+                g_ent,
+                need_dx,
+                need_dw,
+                need_db,
+            )
+            dx = pdx if dx is None else (dx if pdx is None else dx + pdx)
+            dw = pdw if dw is None else (dw if pdw is None else dw + pdw)
+            db = pdb if db is None else (db if pdb is None else db + pdb)
+        if db is not None and bias is not None:
+            db = db.to(bias.dtype)
+        return (dx if need_dx else None), (dw if need_dw else None), (db if need_db else None), None, None
+
+
+def _recompute_grads(
+    x, weight, bias, target, rows, lse_v, ent_v, kept, plan, g_loss, g_logp, g_ent, need_dx, need_dw, need_db
+):
+    """Gradient pass for per-token upstream gradients: one extra GEMM per chunk unless the logits were kept."""
+    n = x.shape[0]
+
+    def compact(t):
+        if t is None:
+            return None
+        t = t.reshape(-1).to(torch.float32)
+        return t if rows is None else t.index_select(0, rows)
+
+    xs = x if rows is None else x.index_select(0, rows)
+    ys = target if rows is None else target.index_select(0, rows)
+    gl, glp, ge = compact(g_loss), compact(g_logp), compact(g_ent)
+    n_valid = xs.shape[0]
+    grad_bytes = x.element_size() if x.dtype != torch.float32 else 0
+    chunk = n_valid if kept is not None else _rows_per_chunk(plan, weight.shape[0], grad_bytes)
+    chunk = max(chunk, 1)
+    n_chunks = max(1, -(-n_valid // chunk))
+    grads = _GradBuffers(xs, weight, bias, n_chunks, need_dx, need_dw, need_db)
+    for start, end in _chunks(n_valid, chunk):
+        logits = kept if kept is not None else compute_logits(xs[start:end], weight, bias)
+        grad_out = _grad_buffer(logits, x.dtype)
+        sl = slice(start, end)
+        plan.tiles.backward(
+            logits,
+            ys[sl],
+            lse_v[sl],
+            ent_v[sl],
+            plan.params,
+            None if gl is None else gl[sl],
+            None if glp is None else glp[sl],
+            None if ge is None else ge[sl],
+            grad_out,
+        )
+        grads.add(start, end, grad_out, xs[sl])
+    dx, dw, db = grads.finish()
+    if dx is not None:
+        dx = _scatter_rows(dx, rows, n)
+    return dx, dw, db

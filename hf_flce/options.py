@@ -1,0 +1,143 @@
+"""Option checking shared by every backend: one place that says what is a valid call."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+REDUCTIONS = ("mean", "sum", "none")
+BACKENDS = ("auto", "torch", "triton", "ascend")
+
+# Default bytes of logits (and their gradient) alive at once. Large enough that every GEMM stays
+# big on a GPU; smaller on CPU, where the point is a lower peak than stock HF.
+DEFAULT_BUDGET_ACCELERATOR = 1 << 30
+DEFAULT_BUDGET_CPU = 256 << 20
+BUDGET_ENV = "HF_FLCE_MEMORY_BUDGET"
+
+
+@dataclass(frozen=True)
+class FLCEOptions:
+    """The loss options of one call, validated. Backends read these and nothing else."""
+
+    ignore_index: int = -100
+    reduction: str = "mean"
+    label_smoothing: float = 0.0
+    z_loss: float = 0.0
+    softcap: float | None = None
+    temperature: float = 1.0
+    memory_budget: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.reduction not in REDUCTIONS:
+            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {self.reduction!r}")
+        if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int):
+            raise TypeError(f"ignore_index must be an int, got {type(self.ignore_index).__name__}")
+        _check_real("label_smoothing", self.label_smoothing)
+        if not 0.0 <= self.label_smoothing <= 1.0:
+            raise ValueError(f"label_smoothing must be in [0, 1], got {self.label_smoothing}")
+        _check_real("z_loss", self.z_loss)
+        if self.z_loss < 0:
+            raise ValueError(f"z_loss must be >= 0, got {self.z_loss}")
+        _check_real("temperature", self.temperature)
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if self.softcap is not None:
+            _check_real("softcap", self.softcap)
+            if self.softcap <= 0:
+                raise ValueError(f"softcap must be > 0 or None, got {self.softcap}")
+        if self.memory_budget is not None:
+            if isinstance(self.memory_budget, bool) or not isinstance(self.memory_budget, int):
+                raise TypeError(f"memory_budget must be an int number of bytes, got {self.memory_budget!r}")
+            if self.memory_budget <= 0:
+                raise ValueError(f"memory_budget must be > 0 bytes, got {self.memory_budget}")
+
+    @property
+    def plain(self) -> bool:
+        """Vanilla cross-entropy: no smoothing, z-loss, softcap or temperature (the fast path)."""
+        return self.label_smoothing == 0.0 and self.z_loss == 0.0 and self.softcap is None and self.temperature == 1.0
+
+    def budget_bytes(self, device: torch.device) -> int:
+        if self.memory_budget is not None:
+            return self.memory_budget
+        env = os.environ.get(BUDGET_ENV)
+        if env:
+            try:
+                value = int(env)
+            except ValueError:
+                raise ValueError(f"{BUDGET_ENV} must be an integer number of bytes, got {env!r}") from None
+            if value <= 0:
+                raise ValueError(f"{BUDGET_ENV} must be > 0, got {value}")
+            return value
+        return DEFAULT_BUDGET_CPU if device.type == "cpu" else DEFAULT_BUDGET_ACCELERATOR
+
+
+def _check_real(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+def check_tensors(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None,
+    class_weight: torch.Tensor | None,
+) -> None:
+    """Shapes, dtypes and devices. Raises ValueError / TypeError naming the argument at fault."""
+    for name, t in (("hidden", hidden), ("weight", weight), ("target", target)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if hidden.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"hidden must be float32, bfloat16 or float16, got {hidden.dtype}")
+    if weight.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"weight must be float32, bfloat16 or float16, got {weight.dtype}")
+    if hidden.dtype != weight.dtype:
+        raise TypeError(
+            f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must have the same dtype "
+            "(as F.linear requires; under torch.autocast both are cast for you)"
+        )
+    if target.dtype not in INT_DTYPES:
+        raise TypeError(f"target must be an integer tensor, got {target.dtype}")
+    if hidden.dim() < 1:
+        raise ValueError("hidden must have at least one dimension [..., H]")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [V, H], got shape {tuple(weight.shape)}")
+    if hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"hidden size mismatch: hidden has H={hidden.shape[-1]} but weight is [V, H]={tuple(weight.shape)}"
+        )
+    if weight.shape[0] == 0:
+        raise ValueError("weight has V=0 classes")
+    if tuple(target.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(
+            f"target shape {tuple(target.shape)} must equal the leading shape of hidden {tuple(hidden.shape[:-1])}"
+        )
+    devices = {"hidden": hidden.device, "weight": weight.device, "target": target.device}
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor):
+            raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
+        if tuple(bias.shape) != (weight.shape[0],):
+            raise ValueError(f"bias must have shape [V]=({weight.shape[0]},), got {tuple(bias.shape)}")
+        if bias.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"bias must be a float tensor, got {bias.dtype}")
+        devices["bias"] = bias.device
+    if class_weight is not None:
+        if not isinstance(class_weight, torch.Tensor):
+            raise TypeError(f"class_weight must be a torch.Tensor or None, got {type(class_weight).__name__}")
+        if tuple(class_weight.shape) != (weight.shape[0],):
+            raise ValueError(f"class_weight must have shape [V]=({weight.shape[0]},), got {tuple(class_weight.shape)}")
+        if not class_weight.is_floating_point():
+            raise TypeError(f"class_weight must be a float tensor, got {class_weight.dtype}")
+        devices["class_weight"] = class_weight.device
+    if len(set(devices.values())) > 1:
+        listed = ", ".join(f"{k} on {v}" for k, v in devices.items())
+        raise ValueError(f"device mismatch: {listed}; move them to one device")
