@@ -19,7 +19,8 @@ class FLCEStats:
 
     All are computed on the transformed logits (after softcap and temperature).
     ``logprobs`` (log p(target)) and ``entropy`` are differentiable, and their gradients flow through the fused
-    backward; ``lse`` (log-sum-exp), ``is_top1`` (target is the first argmax) and ``mean_logit`` are not.
+    backward; ``lse`` (log-sum-exp), ``is_top1`` (target is the first argmax), ``mean_logit`` and
+    ``log_sum_sq_probs`` (``log sum_j p_j**2``, the WPO weight of TRL's DPO) are not.
     """
 
     logprobs: torch.Tensor
@@ -27,6 +28,7 @@ class FLCEStats:
     lse: torch.Tensor
     is_top1: torch.Tensor
     mean_logit: torch.Tensor
+    log_sum_sq_probs: torch.Tensor
 
 
 def _denominator(target, valid_rows_weight, opts: FLCEOptions, num_items_in_batch, device) -> torch.Tensor | None:
@@ -166,7 +168,7 @@ def fused_linear_cross_entropy(
         want_stats=return_stats,
     )
     with torch.autocast(x.device.type, enabled=False):
-        loss, logprobs, entropy, lse, is_top1, mean_logit = FusedLinearCrossEntropyFunction.apply(
+        loss, logprobs, entropy, lse, is_top1, mean_logit, log_sum_sq_probs = FusedLinearCrossEntropyFunction.apply(
             x, weight, bias, y, plan
         )
     if plan.reduction == "none":
@@ -180,6 +182,7 @@ def fused_linear_cross_entropy(
         lse=lse.reshape(shape),
         is_top1=is_top1.reshape(shape),
         mean_logit=mean_logit.reshape(shape),
+        log_sum_sq_probs=log_sum_sq_probs.reshape(shape),
     )
     return loss, stats
 

@@ -165,6 +165,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         ent_v = torch.empty(n_valid, **f32)
         mean_v = torch.empty(n_valid, **f32)
         top1_v = torch.empty(n_valid, dtype=torch.bool, device=x.device)
+        lssp_v = torch.empty(n_valid, **f32)
 
         grads = _GradBuffers(xs, weight, bias, n_chunks, need_dx, need_dw, need_db) if eager else None
         grad_scale = None
@@ -187,6 +188,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             ent_v[start:end] = stats.entropy
             mean_v[start:end] = stats.mean_logit
             top1_v[start:end] = stats.is_top1
+            lssp_v[start:end] = stats.log_sum_sq_probs
             if eager:
                 grads.add(start, end, grad_out, xs[start:end])
             elif keep_logits:
@@ -196,7 +198,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             loss = _scatter_rows(loss_v, rows, n)
         else:
             loss = loss_v.sum() / plan.denominator
-        outputs = [loss] + [_scatter_rows(v, rows, n) for v in (logp_v, ent_v, lse_v, top1_v, mean_v)]
+        outputs = [loss] + [_scatter_rows(v, rows, n) for v in (logp_v, ent_v, lse_v, top1_v, mean_v, lssp_v)]
         ctx.mark_non_differentiable(*outputs[3:])
 
         ctx.plan = plan

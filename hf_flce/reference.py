@@ -71,6 +71,7 @@ def reference_linear_cross_entropy(
         "lse": torch.where(valid, lse, zero).detach(),
         "is_top1": (valid & (logits.argmax(-1) == flat_target)).detach(),
         "mean_logit": torch.where(valid, logits.mean(-1), zero).detach(),
+        "log_sum_sq_probs": torch.where(valid, torch.logsumexp(2 * log_softmax, dim=-1), zero).detach(),
     }
     stats = {k: v.reshape(target.shape) for k, v in stats.items()}
 

@@ -59,6 +59,7 @@ class TileStats:
     entropy: torch.Tensor  # float32
     is_top1: torch.Tensor  # bool
     mean_logit: torch.Tensor  # float32
+    log_sum_sq_probs: torch.Tensor  # float32, log(sum_j p_j**2) (WPO weighting in TRL's DPO)
 
 
 class TileOps(Protocol):

@@ -63,6 +63,7 @@ class TorchTileOps:
             entropy=torch.where(valid, lse - expected_t, zero),
             is_top1=valid & (t.argmax(dim=1) == target),
             mean_logit=torch.where(valid, t.mean(dim=1), zero),
+            log_sum_sq_probs=torch.where(valid, torch.log(torch.linalg.vector_norm(p, dim=1).square()), zero),
         )
         if grad_scale is not None:
             grad_loss = torch.where(valid, grad_scale, zero)
