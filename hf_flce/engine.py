@@ -85,6 +85,13 @@ def _rows_per_chunk(plan: CallPlan, vocab: int, grad_bytes: int) -> int:
     return max(1, plan.budget // bytes_per_row)
 
 
+def _keep_limit(plan: CallPlan, device: torch.device) -> int:
+    """Bytes of float32 logits the per-token path may keep from forward to backward instead of recomputing them.
+    A backend may allow more than the chunk budget (``TileOps.keep_logits_limit``)."""
+    backend_limit = getattr(plan.tiles, "keep_logits_limit", None)
+    return max(plan.budget, backend_limit(device)) if backend_limit is not None else plan.budget
+
+
 def _chunks(n: int, size: int):
     for start in range(0, n, size):
         yield start, min(start + size, n)
@@ -156,7 +163,9 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         grad_bytes = x.element_size() if (eager and x.dtype != torch.float32) else 0
         chunk = _rows_per_chunk(plan, vocab, grad_bytes)
         n_chunks = max(1, -(-n_valid // chunk))
-        keep_logits = need_grad and not eager and n_chunks == 1 and n_valid * vocab * 4 <= plan.budget and n_valid > 0
+        keep_logits = need_grad and not eager and n_valid > 0 and n_valid * vocab * 4 <= _keep_limit(plan, x.device)
+        if keep_logits:
+            chunk, n_chunks = n_valid, 1
 
         f32 = dict(dtype=torch.float32, device=x.device)
         loss_v = torch.empty(n_valid, **f32)

@@ -66,6 +66,8 @@ class TileOps(Protocol):
     name: str
     # Scratch bytes per logit the backend needs on top of the float32 logits chunk (used to size chunks).
     scratch_bytes_per_logit: int
+    # Optional: ``keep_logits_limit(device) -> int``, bytes of float32 logits the per-token path may keep from
+    # forward to backward (default: the chunk budget).
 
     def forward(
         self,
