@@ -165,7 +165,7 @@ def fused_linear_cross_entropy(
         reduction="none" if reduction == "none" and num_items_in_batch is None else "scalar",
         denominator=_denominator(y, valid_weight, opts, num_items_in_batch, x.device),
         budget=opts.budget_bytes(x.device),
-        want_stats=return_stats,
+        grad_mode=torch.is_grad_enabled(),
     )
     with torch.autocast(x.device.type, enabled=False):
         loss, logprobs, entropy, lse, is_top1, mean_logit, log_sum_sq_probs = FusedLinearCrossEntropyFunction.apply(

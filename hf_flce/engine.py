@@ -30,7 +30,7 @@ class CallPlan:
     reduction: str  # "none" or "scalar"
     denominator: torch.Tensor | None  # float32 0-d: the scalar loss is sum / denominator
     budget: int
-    want_stats: bool
+    grad_mode: bool  # torch.is_grad_enabled() at the call (it is always off inside Function.forward)
 
 
 def _fp32_out(x: torch.Tensor) -> bool:
@@ -145,7 +145,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, target, plan: CallPlan):
         n, vocab = x.shape[0], weight.shape[0]
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-        need_grad = any((need_dx, need_dw, need_db))
+        need_grad = plan.grad_mode and any((need_dx, need_dw, need_db))
         ctx.set_materialize_grads(False)
         check_target_range(target, vocab, plan.params.ignore_index)
 
@@ -219,18 +219,19 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             eager_grads = grads.finish() if eager else (None, None, None)
             dx = None if eager_grads[0] is None else _scatter_rows(eager_grads[0], rows, n)
             ctx.eager_dw, ctx.eager_db = eager_grads[1], eager_grads[2]
-            ctx.save_for_backward(x, weight, bias, target, rows, lse_v, ent_v, dx, kept)
+            ctx.save_for_backward(x, weight, bias, target, rows, lse_v, ent_v, dx)
+            # Kept logits are overwritten by the first backward, so they live on ctx (not version-checked) and are
+            # dropped once used: a second backward (retain_graph) recomputes them.
+            ctx.kept = kept
         return tuple(outputs)
 
     @staticmethod
     def backward(ctx, g_loss, g_logp, g_ent, *unused):
         if not ctx.grad_enabled:
             return None, None, None, None, None
-        x, weight, bias, target, rows, lse_v, ent_v, eager_dx, kept = ctx.saved_tensors
+        x, weight, bias, target, rows, lse_v, ent_v, eager_dx = ctx.saved_tensors
         plan = ctx.plan
-        if getattr(ctx, "kept_consumed", False):
-            kept = None  # a second backward (retain_graph) recomputes: the first one overwrote the kept logits
-        ctx.kept_consumed = kept is not None
+        kept, ctx.kept = ctx.kept, None
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         dx = dw = db = None
         if ctx.eager and g_loss is not None:

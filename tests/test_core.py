@@ -1,0 +1,301 @@
+"""The fused op (torch backend) against the float64 materialised reference, plus bad input and autograd features."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+import hf_flce
+from hf_flce import reference_linear_cross_entropy
+
+OPTIONS = {
+    "label_smoothing": 0.15,
+    "class_weight": "random",
+    "z_loss": 1e-3,
+    "softcap": 2.5,
+    "temperature": 0.7,
+    "bias": True,
+}
+
+
+def _problem(n=37, h=24, v=131, dtype=torch.float32, ignore_every=5, bias=False):
+    x = torch.randn(n, h, dtype=dtype)
+    w = (torch.randn(v, h) * 0.3).to(dtype)
+    y = torch.randint(0, v, (n,))
+    if ignore_every:
+        y[::ignore_every] = -100
+    b = (torch.randn(v) * 0.1).to(dtype) if bias else None
+    return x, w, y, b
+
+
+def _kwargs(names):
+    kw = {}
+    for name in names:
+        value = OPTIONS[name]
+        if name == "bias":
+            continue
+        kw[name] = torch.rand(131) + 0.5 if value == "random" else value
+    return kw
+
+
+def _compare(x, w, y, b, kw, grad_out_kind="scalar", stats_grads=False, rtol=1e-5, backend="torch"):
+    """Forward + backward through ours and the float64 reference; compares loss, stats and every gradient."""
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w) + (() if b is None else (b,))]
+    loss, stats = hf_flce.fused_linear_cross_entropy(
+        leaves[0], leaves[1], y, leaves[2] if b is not None else None, return_stats=True, backend=backend, **kw
+    )
+    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    ref_kw = {k: v for k, v in kw.items() if k != "memory_budget"}
+    ref_loss, ref_stats = reference_linear_cross_entropy(
+        ref_leaves[0], ref_leaves[1], y, ref_leaves[2] if b is not None else None, **ref_kw
+    )
+    assert loss.dtype == torch.float32 and loss.shape == ref_loss.shape
+    torch.testing.assert_close(loss.double(), ref_loss, rtol=rtol, atol=rtol)
+    for name in ("logprobs", "entropy", "lse", "mean_logit", "log_sum_sq_probs"):
+        torch.testing.assert_close(getattr(stats, name).double(), ref_stats[name], rtol=rtol, atol=rtol, msg=name)
+    assert torch.equal(stats.is_top1, ref_stats["is_top1"])
+
+    upstream = torch.randn(loss.shape, dtype=torch.float64) if grad_out_kind == "random" else torch.ones(loss.shape)
+    total = (loss * upstream.float()).sum()
+    ref_total = (ref_loss * upstream.double()).sum()
+    if stats_grads:
+        g_lp, g_ent = torch.randn(y.shape), torch.randn(y.shape)
+        total = total + (stats.logprobs * g_lp).sum() + (stats.entropy * g_ent).sum()
+        ref_total = (
+            ref_total + (ref_stats["logprobs"] * g_lp.double()).sum() + (ref_stats["entropy"] * g_ent.double()).sum()
+        )
+    grads = torch.autograd.grad(total, leaves)
+    ref_grads = torch.autograd.grad(ref_total, ref_leaves)
+    for g, r, name in zip(grads, ref_grads, ("hidden", "weight", "bias")):
+        assert g.dtype == leaves[0].dtype
+        torch.testing.assert_close(g.double(), r, rtol=rtol * 10, atol=rtol, msg=f"grad {name}")
+
+
+@pytest.mark.parametrize("names", [()] + [(n,) for n in OPTIONS] + list(itertools.combinations(OPTIONS, 2)))
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_options_and_pairs_match_reference(names, reduction):
+    x, w, y, b = _problem(bias="bias" in names)
+    kw = _kwargs(names)
+    _compare(x, w, y, b, {**kw, "reduction": reduction}, grad_out_kind="random" if reduction == "none" else "scalar")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("budget", [None, 3000, 131 * 4 * 3])
+def test_stats_gradients_and_chunking(reduction, budget):
+    x, w, y, b = _problem(bias=True)
+    kw = {"reduction": reduction, "memory_budget": budget, "label_smoothing": 0.1, "z_loss": 1e-2}
+    _compare(x, w, y, b, kw, grad_out_kind="random", stats_grads=True)
+
+
+@pytest.mark.parametrize(
+    "n,h,v",
+    [(1, 8, 17), (2, 5, 257), (13, 7, 97), (64, 3, 1000), (0, 8, 11)],
+    ids=["one-token", "V-prime", "odd", "many-chunks", "zero-rows"],
+)
+def test_odd_sizes(n, h, v):
+    x, w, y, b = _problem(n, h, v, ignore_every=0, bias=True)
+    _compare(x, w, y, b, {"memory_budget": 2 * v * 16})
+    _compare(x, w, y, b, {"reduction": "none", "memory_budget": 2 * v * 16}, grad_out_kind="random")
+
+
+def test_num_items_in_batch_forms():
+    x, w, y, _ = _problem()
+    for num in (29, 29.0, torch.tensor(29.0), torch.tensor(29)):
+        _compare(x, w, y, None, {"num_items_in_batch": num})
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_all_ignored_gives_zero_loss_and_zero_grads(reduction):
+    x = torch.randn(6, 8, requires_grad=True)
+    w = torch.randn(20, 8, requires_grad=True)
+    y = torch.full((6,), -100)
+    loss = hf_flce.fused_linear_cross_entropy(x, w, y, reduction=reduction)
+    assert torch.all(loss == 0)
+    loss.sum().backward()
+    assert torch.all(x.grad == 0) and torch.all(w.grad == 0)
+    assert not torch.isnan(loss).any()
+    num = hf_flce.fused_linear_cross_entropy(x, w, y, num_items_in_batch=0)
+    assert num.item() == 0
+
+
+def test_leading_shape_and_non_contiguous_hidden():
+    base = torch.randn(3, 24, 9)
+    x = base.transpose(1, 2)  # [3, 9, 24], non-contiguous
+    w = torch.randn(50, 24)
+    y = torch.randint(0, 50, (3, 9))
+    loss = hf_flce.fused_linear_cross_entropy(x, w, y, reduction="none")
+    assert loss.shape == (3, 9)
+    ref = F.cross_entropy((x @ w.T).reshape(-1, 50), y.reshape(-1), reduction="none").reshape(3, 9)
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_matches_stock_hf_loss_semantics():
+    """Same number as transformers' ForCausalLMLoss on materialised logits (shift done by the caller)."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    x = torch.randn(2, 11, 16)
+    w = torch.randn(40, 16)
+    labels = torch.randint(0, 40, (2, 11))
+    labels[0, :4] = -100
+    stock = ForCausalLMLoss(x @ w.T, labels, vocab_size=40, num_items_in_batch=torch.tensor(13.0))
+    shifted = F.pad(labels, (0, 1), value=-100)[:, 1:]
+    ours = hf_flce.fused_linear_cross_entropy(x, w, shifted, num_items_in_batch=torch.tensor(13.0))
+    torch.testing.assert_close(ours, stock, rtol=1e-6, atol=1e-6)
+
+
+def test_gradcheck_small():
+    x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(7, 4, dtype=torch.float64, requires_grad=True)
+    y = torch.tensor([1, -100, 6, 0, 3])
+
+    def loss_and_stats(x, w):
+        loss, stats = hf_flce.fused_linear_cross_entropy(
+            x.float(), w.float(), y, reduction="none", return_stats=True, label_smoothing=0.1, softcap=3.0
+        )
+        return loss.double(), stats.logprobs.double(), stats.entropy.double()
+
+    # The op computes in float32, so compare against float64 finite differences with float32-sized tolerances.
+    assert torch.autograd.gradcheck(loss_and_stats, (x, w), eps=1e-3, atol=2e-3, rtol=2e-3)
+
+
+def test_fp16_and_bf16_inputs_close_to_fp32_truth():
+    for dtype in (torch.float16, torch.bfloat16):
+        x, w, y, _ = _problem(dtype=dtype)
+        xr, wr = x.double().requires_grad_(), w.double().requires_grad_()
+        ref, _ = reference_linear_cross_entropy(xr, wr, y)
+        ref.backward()
+        xo, wo = x.clone().requires_grad_(), w.clone().requires_grad_()
+        loss = hf_flce.fused_linear_cross_entropy(xo, wo, y)
+        loss.backward()
+        assert xo.grad.dtype == dtype and wo.grad.dtype == dtype
+        # bf16 has 8 mantissa bits: 1e-2 relative; fp16 has 11: 2e-3.
+        tol = 1e-2 if dtype == torch.bfloat16 else 2e-3
+        assert abs(loss.item() - ref.item()) <= tol * abs(ref.item())
+        for g, r in ((xo.grad, xr.grad), (wo.grad, wr.grad)):
+            assert ((g.double() - r).norm() / r.norm()).item() < tol
+
+
+def test_frozen_backbone_and_frozen_head():
+    x, w, y, _ = _problem()
+    w1 = w.clone().requires_grad_()
+    hf_flce.fused_linear_cross_entropy(x, w1, y).backward()
+    assert w1.grad is not None and w1.grad.abs().sum() > 0
+    x2 = x.clone().requires_grad_()
+    hf_flce.fused_linear_cross_entropy(x2, w, y).backward()
+    assert x2.grad is not None and x2.grad.abs().sum() > 0
+
+
+def test_no_grad_does_no_gradient_work(monkeypatch):
+    from hf_flce import engine
+
+    calls = []
+    monkeypatch.setattr(engine._GradBuffers, "add", lambda *a: calls.append(1))
+    x, w, y, _ = _problem()
+    x.requires_grad_()
+    with torch.no_grad():
+        loss = hf_flce.fused_linear_cross_entropy(x, w, y)
+    assert not loss.requires_grad and not calls
+    hf_flce.fused_linear_cross_entropy(x.detach(), w, y)
+    assert not calls
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_activation_checkpointing(use_reentrant):
+    x, w, y, _ = _problem()
+    lin = torch.nn.Linear(24, 24)
+    w = w.clone().requires_grad_()
+
+    def head(h):
+        return hf_flce.fused_linear_cross_entropy(lin(h), w, y)
+
+    xs = x.clone().requires_grad_()
+    checkpoint(head, xs, use_reentrant=use_reentrant).backward()
+    got = (xs.grad.clone(), w.grad.clone(), lin.weight.grad.clone())
+    for t in (xs, w, lin.weight):
+        t.grad = None
+    head(xs).backward()
+    for a, b in zip(got, (xs.grad, w.grad, lin.weight.grad)):
+        torch.testing.assert_close(a, b)
+
+
+def test_bf16_autocast_with_fp32_weights():
+    x, w, y, _ = _problem()
+    w = w.clone().requires_grad_()
+    xs = x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = hf_flce.fused_linear_cross_entropy(xs, w, y)
+    loss.backward()
+    assert w.grad.dtype == torch.float32 and xs.grad.dtype == torch.float32
+    xr, wr = x.clone().requires_grad_(), w.detach().clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = F.cross_entropy(F.linear(xr, wr).float(), y)
+    ref.backward()
+    torch.testing.assert_close(loss, ref, rtol=2e-2, atol=2e-2)
+    assert ((w.grad - wr.grad).norm() / wr.grad.norm()) < 2e-2
+
+
+def test_module_form():
+    x, w, y, b = _problem(bias=True)
+    module = hf_flce.FusedLinearCrossEntropyLoss(label_smoothing=0.1, reduction="sum")
+    ref, _ = reference_linear_cross_entropy(x, w, y, b, label_smoothing=0.1, reduction="sum")
+    torch.testing.assert_close(module(x, w, y, b).double(), ref, rtol=1e-5, atol=1e-5)
+    assert "label_smoothing=0.1" in repr(module)
+    with pytest.raises(TypeError, match="unknown option"):
+        hf_flce.FusedLinearCrossEntropyLoss(smoothing=0.1)
+
+
+def test_retain_graph_second_backward_is_exact():
+    x, w, y, _ = _problem()
+    x.requires_grad_()
+    loss = hf_flce.fused_linear_cross_entropy(x, w, y, reduction="none")
+    g = torch.randn_like(loss)
+    (first,) = torch.autograd.grad(loss, x, g, retain_graph=True)
+    (second,) = torch.autograd.grad(loss, x, g)
+    torch.testing.assert_close(first, second)
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+def _bad(match, exc=ValueError, **overrides):
+    args = dict(hidden=torch.randn(4, 8), weight=torch.randn(10, 8), target=torch.randint(0, 10, (4,)))
+    kw = {k: overrides.pop(k) for k in list(overrides) if k not in args}
+    args.update(overrides)
+    with pytest.raises(exc, match=match):
+        hf_flce.fused_linear_cross_entropy(args["hidden"], args["weight"], args["target"], **kw)
+
+
+def test_bad_inputs_are_named():
+    _bad("outside \\[0, V=10\\)", target=torch.tensor([0, 10, 1, 2]))
+    _bad("outside \\[0, V=10\\)", target=torch.tensor([0, -1, 1, 2]))
+    _bad("hidden size mismatch", hidden=torch.randn(4, 7))
+    _bad("target shape", target=torch.randint(0, 10, (5,)))
+    _bad("integer", TypeError, target=torch.rand(4))
+    _bad("same dtype", TypeError, weight=torch.randn(10, 8, dtype=torch.float64).to(torch.bfloat16))
+    _bad("float32, bfloat16 or float16", TypeError, hidden=torch.randn(4, 8, dtype=torch.float64))
+    _bad("reduction must be one of", reduction="avg")
+    _bad("backend must be one of", backend="cuda")
+    _bad("label_smoothing must be in", label_smoothing=1.5)
+    _bad("label_smoothing must be in", label_smoothing=-0.1)
+    _bad("temperature must be > 0", temperature=0.0)
+    _bad("softcap must be > 0", softcap=-1.0)
+    _bad("z_loss must be >= 0", z_loss=-1.0)
+    _bad("memory_budget must be > 0", memory_budget=0)
+    _bad("bias must have shape", bias=torch.randn(9))
+    _bad("class_weight must have shape", class_weight=torch.rand(3))
+    _bad("cannot be combined", reduction="none", num_items_in_batch=4)
+    _bad("num_items_in_batch must be", TypeError, num_items_in_batch="4")
+    _bad("weight must be 2-D", weight=torch.randn(10, 8, 1))
+    _bad("runs on CUDA", backend="triton") if not torch.cuda.is_available() else None
+    meta = torch.randn(10, 8, device="meta")
+    _bad("device mismatch", weight=meta)
+
+
+def test_ignore_index_custom_value():
+    x, w, y, _ = _problem(ignore_every=0)
+    y[::3] = 7  # a valid class id used as ignore_index
+    ours = hf_flce.fused_linear_cross_entropy(x, w, y, ignore_index=7)
+    ref = F.cross_entropy(x @ w.T, y, ignore_index=7)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
