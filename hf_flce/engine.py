@@ -121,12 +121,21 @@ class _GradBuffers:
         if self.db is not None:
             self.db += grad_logits.sum(0, dtype=torch.float32)
 
-    def finish(self):
-        dw = None
+    def finish(self, scale: torch.Tensor | None = None):
+        """dX, dW (in the weight's dtype) and db, each times ``scale`` (float32 0-d) when given. Scaling and the
+        float32 -> weight dtype cast of dW happen in one pass, with the scale kept in float32."""
+        dx, dw, db = self.dx, None, self.db
         if self.need_dw:
-            dw = torch.zeros_like(self.weight) if self.dw is None else self.dw.to(self.weight.dtype)
-        db = None if self.db is None else self.db
-        return self.dx, dw, db
+            if self.dw is None:
+                dw = torch.zeros_like(self.weight)
+            elif scale is None:
+                dw = self.dw.to(self.weight.dtype)
+            else:
+                dw = torch.mul(self.dw, scale, out=torch.empty_like(self.weight))
+        if scale is not None:
+            dx = None if dx is None else dx * scale
+            db = None if db is None else db * scale
+        return dx, dw, db
 
 
 def _grad_buffer(logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -214,12 +223,10 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         ctx.eager = eager
         ctx.n = n
         ctx.grad_enabled = need_grad
-        ctx.shapes = (x.shape, weight.shape)
         if need_grad:
-            eager_grads = grads.finish() if eager else (None, None, None)
-            dx = None if eager_grads[0] is None else _scatter_rows(eager_grads[0], rows, n)
-            ctx.eager_dw, ctx.eager_db = eager_grads[1], eager_grads[2]
-            ctx.save_for_backward(x, weight, bias, target, rows, lse_v, ent_v, dx)
+            # Eager gradients wait for the upstream scalar; dW stays in its float32 accumulator until then.
+            ctx.eager_grads = grads if eager else None
+            ctx.save_for_backward(x, weight, bias, target, rows, lse_v, ent_v)
             # Kept logits are overwritten by the first backward, so they live on ctx (not version-checked) and are
             # dropped once used: a second backward (retain_graph) recomputes them.
             ctx.kept = kept
@@ -229,16 +236,15 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
     def backward(ctx, g_loss, g_logp, g_ent, *unused):
         if not ctx.grad_enabled:
             return None, None, None, None, None
-        x, weight, bias, target, rows, lse_v, ent_v, eager_dx = ctx.saved_tensors
+        x, weight, bias, target, rows, lse_v, ent_v = ctx.saved_tensors
         plan = ctx.plan
         kept, ctx.kept = ctx.kept, None
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         dx = dw = db = None
         if ctx.eager and g_loss is not None:
-            scale = g_loss.to(torch.float32)
-            dx = None if eager_dx is None else eager_dx * scale.to(eager_dx.dtype)
-            dw = None if ctx.eager_dw is None else ctx.eager_dw * scale.to(ctx.eager_dw.dtype)
-            db = None if ctx.eager_db is None else ctx.eager_db * scale
+            dx, dw, db = ctx.eager_grads.finish(g_loss.to(torch.float32))
+            if dx is not None:
+                dx = _scatter_rows(dx, rows, ctx.n)
         per_token_loss = None if ctx.eager else g_loss
         if per_token_loss is not None or g_logp is not None or g_ent is not None:
             pdx, pdw, pdb = _recompute_grads(
