@@ -1,0 +1,274 @@
+"""Patch transformers causal LMs so that training computes the loss with :func:`hf_flce.fused_linear_cross_entropy`.
+
+A patched model returns the fused loss and ``logits=None`` for a training call with labels; generation, inference
+and evaluation go through the stock forward. Patch one model (instance patch, also through a ``PeftModel``) or, with
+no model, the classes, so models created afterwards are fused. Patching touches neither parameters nor the state dict.
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import replace
+from types import MethodType
+from typing import TypedDict, TypeVar
+
+from torch import nn
+from typing_extensions import Unpack
+
+from .forward import FUSED_FORWARDS, STATE_ATTR, PatchOptions, PatchState, causal_lm_forward, moe_causal_lm_forward
+from .registry import (
+    ALL_TARGETS,
+    FAMILIES,
+    FAMILY_OF_MODEL_TYPE,
+    Target,
+    aux_loss_function,
+    find_target,
+    load_class,
+    loaded_classes,
+    stock_forward,
+    supported_classes,
+)
+
+__all__ = ["apply_flce", "apply_flce_to_llama", "apply_flce_to_qwen", "apply_flce_to_mistral", "revert_flce"]
+
+M = TypeVar("M", bound=nn.Module)
+
+
+class PatchKwargs(TypedDict, total=False):
+    """Patch options; see :func:`apply_flce`."""
+
+    backend: str
+    memory_budget: int | None
+    label_smoothing: float
+    z_loss: float
+    skip_logits: bool | None
+
+
+def apply_flce(model: M | None = None, **options: Unpack[PatchKwargs]) -> M | None:
+    """Fuse ``lm_head`` and the loss of ``model``, picking its family from ``config.model_type``.
+
+    With no model, patch the classes of every family. Applying again only updates the options.
+
+    Args:
+        model: a supported ``*ForCausalLM`` (see ``hf_flce.patches.FAMILIES``), or a ``PeftModel`` around one.
+        backend: ``"auto"`` (default; the torch backend on CPU), ``"torch"``, ``"triton"`` or ``"ascend"``.
+        memory_budget: bytes of logits alive at once (default: the op's).
+        label_smoothing, z_loss: as :func:`hf_flce.fused_linear_cross_entropy` (both 0 reproduce the stock loss).
+        skip_logits: ``None`` (default) fuses in training mode only, so ``model.eval()`` calls with labels return
+            stock logits (``Trainer.evaluate`` with ``compute_metrics`` works); ``True`` fuses whenever there are
+            labels; ``False`` never. A ``skip_logits=`` keyword of one forward call overrides it.
+
+    Returns:
+        ``model`` itself (patched in place), or ``None`` for a class patch.
+
+    Raises:
+        ValueError: the model is not a supported class.
+        RuntimeError: the forward was already wrapped on the instance (``accelerator.prepare`` under mixed precision)
+            around the stock forward, where a patch could not take effect.
+
+    Example:
+        >>> import torch
+        >>> from transformers import Qwen3Config, Qwen3ForCausalLM
+        >>> from hf_flce import apply_flce
+        >>> config = Qwen3Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        ...                      num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+        >>> model = apply_flce(Qwen3ForCausalLM(config))
+        >>> ids = torch.randint(0, 128, (2, 8))
+        >>> out = model(input_ids=ids, labels=ids)
+        >>> out.logits is None, out.loss.shape
+        (True, torch.Size([]))
+    """
+    if model is None:
+        return _apply(tuple(FAMILIES), None, options, "apply_flce")
+    model_type = getattr(getattr(_unwrap(model), "config", None), "model_type", None)
+    family = FAMILY_OF_MODEL_TYPE.get(model_type)
+    if family is None:
+        raise ValueError(
+            f"apply_flce: model_type {model_type!r} ({type(_unwrap(model)).__name__}) is not supported; supported "
+            f"model types: {', '.join(FAMILY_OF_MODEL_TYPE)} (classes: {supported_classes()})"
+        )
+    return _apply((family,), model, options, "apply_flce")
+
+
+def apply_flce_to_llama(model: M | None = None, **options: Unpack[PatchKwargs]) -> M | None:
+    """Patch ``LlamaForCausalLM`` (this instance, or the class when ``model`` is None). Options: :func:`apply_flce`.
+
+    Example:
+        >>> import torch
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> from hf_flce import apply_flce_to_llama
+        >>> config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        ...                      num_attention_heads=4)
+        >>> model = apply_flce_to_llama(LlamaForCausalLM(config), memory_budget=1 << 20)
+        >>> ids = torch.randint(0, 128, (2, 8))
+        >>> model(input_ids=ids, labels=ids).loss.backward()
+    """
+    return _apply(("llama",), model, options, "apply_flce_to_llama")
+
+
+def apply_flce_to_qwen(model: M | None = None, **options: Unpack[PatchKwargs]) -> M | None:
+    """Patch ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``Qwen2MoeForCausalLM`` and ``Qwen3MoeForCausalLM``.
+
+    Patches this instance, or with no model the four classes. Options: :func:`apply_flce`.
+
+    Example:
+        >>> from transformers import Qwen2Config, Qwen2ForCausalLM
+        >>> from hf_flce import apply_flce_to_qwen, revert_flce
+        >>> apply_flce_to_qwen()  # models created from now on are fused
+        >>> config = Qwen2Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        ...                      num_attention_heads=4, num_key_value_heads=2)
+        >>> model = Qwen2ForCausalLM(config)
+        >>> import torch; ids = torch.randint(0, 128, (1, 6))
+        >>> model(input_ids=ids, labels=ids).logits is None
+        True
+        >>> revert_flce()
+    """
+    return _apply(("qwen",), model, options, "apply_flce_to_qwen")
+
+
+def apply_flce_to_mistral(model: M | None = None, **options: Unpack[PatchKwargs]) -> M | None:
+    """Patch ``MistralForCausalLM`` and ``MixtralForCausalLM`` (this instance, or the classes). Options: :func:`apply_flce`.
+
+    Example:
+        >>> import torch
+        >>> from transformers import MixtralConfig, MixtralForCausalLM
+        >>> from hf_flce import apply_flce_to_mistral
+        >>> config = MixtralConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        ...                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4)
+        >>> model = apply_flce_to_mistral(MixtralForCausalLM(config))
+        >>> ids = torch.randint(0, 128, (2, 8))
+        >>> out = model(input_ids=ids, labels=ids, output_router_logits=True)
+        >>> out.aux_loss is not None
+        True
+    """
+    return _apply(("mistral",), model, options, "apply_flce_to_mistral")
+
+
+def revert_flce(model: M | None = None) -> M | None:
+    """Return ``model`` to the stock forward; with no model, undo the class patches.
+
+    Example:
+        >>> import torch
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> from hf_flce import apply_flce_to_llama, revert_flce
+        >>> config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        ...                      num_attention_heads=4)
+        >>> model = revert_flce(apply_flce_to_llama(LlamaForCausalLM(config)))
+        >>> ids = torch.randint(0, 128, (1, 6))
+        >>> model(input_ids=ids, labels=ids).logits.shape
+        torch.Size([1, 6, 128])
+    """
+    if model is None:
+        for cls, target in loaded_classes().items():
+            if cls.__dict__["forward"] in FUSED_FORWARDS:
+                cls.forward = stock_forward(cls)
+                # Instances wrapped by accelerate around the fused forward still call it: make it fall back.
+                setattr(cls, STATE_ATTR, _state(cls, target, None))
+        return None
+    base = _unwrap(model)
+    if _func(base.__dict__.get("forward")) in FUSED_FORWARDS:
+        del base.__dict__["forward"]
+    state = getattr(base, STATE_ATTR, None)  # the instance's, or the class patch's
+    if state is not None and _routes_to_fused(base):
+        setattr(base, STATE_ATTR, replace(state, options=None))
+    else:
+        base.__dict__.pop(STATE_ATTR, None)
+    return model
+
+
+def _apply(families: tuple[str, ...], model: M | None, options: PatchKwargs, caller: str) -> M | None:
+    opts = PatchOptions(**options)
+    targets = tuple(t for family in families for t in FAMILIES[family])
+    if model is None:
+        classes = {load_class(t): t for t in targets}
+        _refuse_unreachable_instances(tuple(classes), caller)
+        for cls, target in classes.items():
+            cls.forward = _fused_forward(target)
+            setattr(cls, STATE_ATTR, _state(cls, target, opts))
+        return None
+    base = _unwrap(model)
+    found = find_target(base, targets)
+    if found is None:
+        raise ValueError(
+            f"{caller}: {type(base).__name__} is not supported; supported classes: {supported_classes(targets)}"
+            + ("" if len(targets) == len(ALL_TARGETS) else f" (all families: {supported_classes()})")
+        )
+    cls, target = found
+    fused = _fused_forward(target)
+    current = base.__dict__.get("forward")
+    if current is None or _func(current) is fused:
+        base.forward = MethodType(fused, base)
+    elif _func(base.__dict__.get("_original_forward")) is not fused:
+        raise RuntimeError(
+            f"{caller}: {type(base).__name__}.forward is already wrapped on this instance ({_describe(current)}, e.g. "
+            "by accelerator.prepare under mixed precision), so a patch would be ignored. Patch before "
+            "accelerator.prepare / trainer.train(), or patch the classes before creating the model."
+        )
+    setattr(base, STATE_ATTR, _state(cls, target, opts))
+    return model
+
+
+def _fused_forward(target: Target):
+    return moe_causal_lm_forward if target.moe else causal_lm_forward
+
+
+def _state(cls: type, target: Target, options: PatchOptions | None) -> PatchState:
+    return PatchState(options=options, stock_forward=stock_forward(cls), aux_loss=aux_loss_function(target))
+
+
+def _func(method: object) -> object:
+    return getattr(method, "__func__", None)
+
+
+def _describe(method: object) -> str:
+    func = _func(method) or method
+    return f"{getattr(func, '__module__', '?')}.{getattr(func, '__qualname__', type(func).__name__)}"
+
+
+def _routes_to_fused(module: nn.Module) -> bool:
+    """Whether calling ``module`` still reaches a fused forward (class patch, or an instance wrapper around one)."""
+    current = module.__dict__.get("forward")
+    if current is None:
+        return type(module).forward in FUSED_FORWARDS
+    return _func(current) in FUSED_FORWARDS or _func(module.__dict__.get("_original_forward")) in FUSED_FORWARDS
+
+
+def _refuse_unreachable_instances(classes: tuple[type, ...], caller: str) -> None:
+    """A class patch cannot reach instances whose forward was wrapped on the instance (accelerate's mixed-precision
+    wrapper captures the stock function): refuse rather than be silently ignored for them."""
+
+    def stuck() -> list[nn.Module]:
+        return [
+            obj
+            for obj in gc.get_objects()
+            if issubclass(type(obj), classes) and "forward" in obj.__dict__ and not _routes_to_fused(obj)
+        ]
+
+    found = stuck()
+    if found:
+        gc.collect()  # unreachable models awaiting collection do not count
+        found = stuck()
+    if found:
+        names = sorted({type(obj).__name__ for obj in found})
+        raise RuntimeError(
+            f"{caller}: {len(found)} existing {'/'.join(names)} instance(s) have a forward wrapped on the instance "
+            f"({_describe(found[0].__dict__['forward'])}, e.g. by accelerator.prepare under mixed precision); a class "
+            f"patch would not reach them. Patch the classes before accelerator.prepare / trainer.train(), or call "
+            f"{caller}(model) on the unwrapped model before preparing it."
+        )
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The transformers model inside PEFT, torch.compile and (Distributed)DataParallel wrappers."""
+    while True:
+        if type(model).__module__.startswith("peft.") and hasattr(model, "get_base_model"):
+            inner = model.get_base_model()
+        elif type(model).__name__ == "OptimizedModule":
+            inner = model._orig_mod
+        elif isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+            inner = model.module
+        else:
+            return model
+        if inner is model:
+            return model
+        model = inner

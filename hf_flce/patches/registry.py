@@ -1,0 +1,81 @@
+"""Which transformers classes each family covers, and their stock forwards.
+
+Per-family choices live in :data:`FAMILIES` and nowhere else: every dense class gets the same fused forward, every MoE
+class the MoE variant. Classes are imported on first use, so listing a family costs nothing.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Target:
+    """One supported causal-LM class: ``transformers.models.<model_type>.modeling_<model_type>.<class_name>``."""
+
+    model_type: str
+    class_name: str
+    moe: bool = False
+
+    @property
+    def module(self) -> str:
+        return f"transformers.models.{self.model_type}.modeling_{self.model_type}"
+
+
+FAMILIES: dict[str, tuple[Target, ...]] = {
+    "llama": (Target("llama", "LlamaForCausalLM"),),
+    "qwen": (
+        Target("qwen2", "Qwen2ForCausalLM"),
+        Target("qwen3", "Qwen3ForCausalLM"),
+        Target("qwen2_moe", "Qwen2MoeForCausalLM", moe=True),
+        Target("qwen3_moe", "Qwen3MoeForCausalLM", moe=True),
+    ),
+    "mistral": (
+        Target("mistral", "MistralForCausalLM"),
+        Target("mixtral", "MixtralForCausalLM", moe=True),
+    ),
+}
+ALL_TARGETS: tuple[Target, ...] = tuple(t for targets in FAMILIES.values() for t in targets)
+FAMILY_OF_MODEL_TYPE: dict[str, str] = {t.model_type: family for family, ts in FAMILIES.items() for t in ts}
+
+# The forward each class had before any patch, captured when the class is first loaded through this module.
+_STOCK_FORWARDS: dict[type, Callable] = {}
+
+
+def load_class(target: Target) -> type:
+    """Import the class of ``target`` and remember its stock forward."""
+    cls = getattr(importlib.import_module(target.module), target.class_name)
+    _STOCK_FORWARDS.setdefault(cls, cls.__dict__["forward"])
+    return cls
+
+
+def loaded_classes() -> dict[type, Target]:
+    """The supported classes imported so far (only those can carry a class patch)."""
+    by_key = {(t.module, t.class_name): t for t in ALL_TARGETS}
+    return {cls: by_key[(cls.__module__, cls.__name__)] for cls in _STOCK_FORWARDS}
+
+
+def find_target(model: object, targets: tuple[Target, ...] = ALL_TARGETS) -> tuple[type, Target] | None:
+    """The supported class in ``type(model)``'s MRO that is one of ``targets``, with its target."""
+    by_key = {(t.module, t.class_name): t for t in targets}
+    for klass in type(model).__mro__:
+        target = by_key.get((klass.__module__, klass.__name__))
+        if target is not None:
+            return load_class(target), target
+    return None
+
+
+def stock_forward(cls: type) -> Callable:
+    """The unpatched forward function of a supported class loaded by :func:`load_class`."""
+    return _STOCK_FORWARDS[cls]
+
+
+def aux_loss_function(target: Target) -> Callable | None:
+    """For an MoE target, the ``load_balancing_loss_func`` of its transformers module (the one stock uses)."""
+    return importlib.import_module(target.module).load_balancing_loss_func if target.moe else None
+
+
+def supported_classes(targets: tuple[Target, ...] = ALL_TARGETS) -> str:
+    return ", ".join(t.class_name for t in targets)

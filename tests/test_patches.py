@@ -1,0 +1,429 @@
+"""The model patchers against stock transformers: tiny random models, fp32, same weights."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import inspect
+import warnings
+
+import pytest
+import torch
+import transformers
+from transformers.utils import find_labels
+
+import hf_flce
+from hf_flce import apply_flce, apply_flce_to_llama, apply_flce_to_mistral, apply_flce_to_qwen, revert_flce
+from hf_flce.patches import forward as patch_forward
+from hf_flce.reference import reference_linear_cross_entropy
+
+VOCAB = 160
+BASE = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    initializer_range=0.1,
+    pad_token_id=0,
+)
+MOE = dict(num_experts_per_tok=2, router_aux_loss_coef=0.1, output_router_logits=True)
+QWEN_MOE = dict(**MOE, num_experts=4, moe_intermediate_size=32, decoder_sparse_step=1)
+CONFIGS = {
+    "LlamaForCausalLM": ("LlamaConfig", {}),
+    "Qwen2ForCausalLM": ("Qwen2Config", {}),
+    "Qwen3ForCausalLM": ("Qwen3Config", dict(head_dim=8)),
+    "MistralForCausalLM": ("MistralConfig", {}),
+    "MixtralForCausalLM": ("MixtralConfig", dict(**MOE, num_local_experts=4)),
+    "Qwen2MoeForCausalLM": ("Qwen2MoeConfig", dict(**QWEN_MOE, shared_expert_intermediate_size=32)),
+    "Qwen3MoeForCausalLM": ("Qwen3MoeConfig", dict(**QWEN_MOE, head_dim=8)),
+}
+CLASSES = list(CONFIGS)
+MOE_CLASSES = [name for name in CLASSES if "output_router_logits" in CONFIGS[name][1]]
+
+
+def make_model(name: str, tie: bool = False, **overrides) -> torch.nn.Module:
+    config_name, extra = CONFIGS[name]
+    config = getattr(transformers, config_name)(**{**BASE, **extra, "tie_word_embeddings": tie, **overrides})
+    torch.manual_seed(0)
+    model = getattr(transformers, name)(config).train()
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tie
+    return model
+
+
+def make_batch(batch: int = 2, seq: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, VOCAB, (batch, seq), generator=gen)
+    labels = ids.clone()
+    labels[0, :3] = -100  # a masked prompt
+    labels[1, 6] = -100
+    return ids, labels
+
+
+def loss_and_grads(model: torch.nn.Module, **inputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    out = model(**inputs)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out, grads
+
+
+def assert_same_training(patched, stock, stock_inputs: dict | None = None, **inputs):
+    """Loss within 1e-5 and every gradient within 1e-4 (relative to its largest entry) of stock."""
+    out, grads = loss_and_grads(patched, **inputs)
+    ref, ref_grads = loss_and_grads(stock, **(stock_inputs or inputs))
+    assert out.logits is None and ref.logits is not None
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=0)
+    assert grads.keys() == ref_grads.keys() and grads
+    for name, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-4 * ref_grads[name].abs().max())
+    return out, ref
+
+
+def patched_pair(name: str, tie: bool = False, **options):
+    stock = make_model(name, tie)
+    return apply_flce(copy.deepcopy(stock), **options), stock
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Tiny models gain nothing from intra-op threads, and on a busy 2-core machine they spin: 100x slower.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def _no_class_patches():
+    yield
+    revert_flce()
+
+
+def _variant(name: str, labels: torch.Tensor) -> dict:
+    if name == "labels":
+        return {}
+    if name == "num_items_int":
+        return dict(num_items_in_batch=23)
+    if name == "num_items_tensor":  # what Trainer passes under gradient accumulation
+        return dict(num_items_in_batch=torch.tensor(23.0))
+    if name == "shift_labels":  # already shifted, non-contiguous, and it wins over labels
+        shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:].flip(0).t().contiguous().t().flip(1)
+        assert not shifted.is_contiguous()
+        return dict(shift_labels=shifted)
+    if name == "logits_to_keep":
+        return dict(logits_to_keep=4, labels=labels[:, -4:])
+    raise AssertionError(name)
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("variant", ["labels", "num_items_int", "num_items_tensor", "shift_labels", "logits_to_keep"])
+@pytest.mark.parametrize("name", CLASSES)
+def test_loss_and_gradients_match_stock(name, variant, tie):
+    patched, stock = patched_pair(name, tie)
+    ids, labels = make_batch()
+    inputs = {"input_ids": ids, "labels": labels, **_variant(variant, labels)}
+    # Stock views shift_labels, so it needs them contiguous; the fused forward takes any layout.
+    stock_inputs = {k: v.contiguous() if k == "shift_labels" else v for k, v in inputs.items()}
+    out, ref = assert_same_training(patched, stock, stock_inputs, **inputs)
+    if name in MOE_CLASSES:  # config.output_router_logits is on
+        torch.testing.assert_close(out.aux_loss, ref.aux_loss, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("name", MOE_CLASSES)
+def test_moe_router_logits_from_forward_kwarg(name):
+    patched, stock = patched_pair(name)
+    for model in (patched, stock):
+        model.config.output_router_logits = False
+    ids, labels = make_batch()
+    off, off_ref = assert_same_training(patched, stock, input_ids=ids, labels=labels)
+    assert off.aux_loss is None and off_ref.aux_loss is None
+    attention_mask = torch.ones_like(ids)
+    attention_mask[1, :2] = 0
+    kwargs = dict(input_ids=ids, labels=labels, attention_mask=attention_mask, output_router_logits=True)
+    out, ref = assert_same_training(patched, stock, num_items_in_batch=torch.tensor(9.0), **kwargs)
+    torch.testing.assert_close(out.aux_loss, ref.aux_loss, rtol=1e-6, atol=0)
+    assert len(out.router_logits) == len(ref.router_logits) == 2
+    for got, want in zip(out.router_logits, ref.router_logits):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    # The aux term is added undivided: removing it leaves the CE sum over num_items_in_batch.
+    assert out.aux_loss > 0 and not torch.allclose(out.loss, out.loss - 0.1 * out.aux_loss)
+
+
+@pytest.mark.parametrize("name", CLASSES)
+def test_no_labels_and_generate_are_stock(name):
+    patched, stock = patched_pair(name)
+    for model in (patched, stock):  # transformers 5.17's own MoE generate fails with router logits on
+        model.config.output_router_logits = False
+    ids, _ = make_batch()
+    with torch.no_grad():
+        torch.testing.assert_close(patched(input_ids=ids).logits, stock(input_ids=ids).logits, rtol=0, atol=0)
+    patched.eval(), stock.eval()
+    gen = patched.generate(ids[:, :5], max_new_tokens=4, do_sample=False)
+    assert torch.equal(gen, stock.generate(ids[:, :5], max_new_tokens=4, do_sample=False))
+
+
+@pytest.mark.parametrize("name", ["LlamaForCausalLM", "Qwen3MoeForCausalLM"])
+def test_eval_returns_stock_logits_unless_skipped(name):
+    patched, stock = patched_pair(name)
+    patched.eval(), stock.eval()
+    ids, labels = make_batch()
+    with torch.no_grad():
+        ref = stock(input_ids=ids, labels=labels)
+        out = patched(input_ids=ids, labels=labels)
+        assert torch.equal(out.logits, ref.logits) and torch.equal(out.loss, ref.loss)
+        skipped = patched(input_ids=ids, labels=labels, skip_logits=True)
+        assert skipped.logits is None
+        torch.testing.assert_close(skipped.loss, ref.loss, rtol=1e-5, atol=0)
+        apply_flce(patched, skip_logits=True)
+        assert patched(input_ids=ids, labels=labels).logits is None
+        assert patched(input_ids=ids, labels=labels, skip_logits=False).logits is not None
+
+
+@pytest.mark.parametrize("name", ["LlamaForCausalLM", "MixtralForCausalLM"])
+def test_signature_is_visible_to_trainer_and_generate(name):
+    patched, _ = patched_pair(name)
+    params = inspect.signature(patched.forward).parameters
+    assert "labels" in params and "logits_to_keep" in params
+    assert any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    apply_flce()  # class patch: Trainer reads the class's forward for label names
+    assert find_labels(type(patched)) == ["labels"]
+
+
+def test_return_dict_false_gives_a_tuple():
+    patched, stock = patched_pair("LlamaForCausalLM")
+    ids, labels = make_batch()
+    out = patched(input_ids=ids, labels=labels, return_dict=False)
+    assert isinstance(out, tuple)
+    torch.testing.assert_close(out[0], stock(input_ids=ids, labels=labels).loss, rtol=1e-5, atol=0)
+
+
+def test_options_and_config_softcap_are_forwarded():
+    stock = make_model("LlamaForCausalLM")
+    stock.config.final_logit_softcapping = 3.0
+    ids, labels = make_batch()
+    options = dict(label_smoothing=0.1, z_loss=1e-3, backend="torch", memory_budget=4096)
+    patched = apply_flce_to_llama(copy.deepcopy(stock), **options)
+    loss = patched(input_ids=ids, labels=labels).loss
+    hidden = stock.model(input_ids=ids).last_hidden_state.detach()
+    options.pop("backend"), options.pop("memory_budget")
+    want, _ = reference_linear_cross_entropy(
+        hidden[:, :-1], stock.lm_head.weight, labels[:, 1:], softcap=3.0, **options
+    )
+    torch.testing.assert_close(loss.double(), want, rtol=1e-5, atol=0)
+    with pytest.raises(ValueError, match="backend"):
+        apply_flce_to_llama(patched, backend="cuda")
+    with pytest.raises(TypeError):
+        apply_flce_to_llama(patched, chunk_size=3)
+
+
+def test_class_patch_apply_twice_and_revert():
+    ids, labels = make_batch()
+    before = make_model("Qwen2ForCausalLM")
+    stock_loss = before(input_ids=ids, labels=labels).loss
+    apply_flce_to_qwen()
+    apply_flce_to_qwen()  # harmless
+    after = make_model("Qwen2MoeForCausalLM")
+    for model in (before, after):
+        assert model(input_ids=ids, labels=labels).logits is None
+    torch.testing.assert_close(before(input_ids=ids, labels=labels).loss, stock_loss, rtol=1e-5, atol=0)
+    assert make_model("LlamaForCausalLM")(input_ids=ids, labels=labels).logits is not None  # other family
+    revert_flce(before)  # this instance only
+    assert before(input_ids=ids, labels=labels).logits is not None
+    assert after(input_ids=ids, labels=labels).logits is None
+    revert_flce()
+    assert after(input_ids=ids, labels=labels).logits is not None
+    assert apply_flce_to_qwen(before) is before  # an instance patch after a class revert
+    assert before(input_ids=ids, labels=labels).logits is None
+
+
+def test_instance_apply_twice_and_revert():
+    patched, stock = patched_pair("MistralForCausalLM")
+    apply_flce_to_mistral(patched)
+    ids, labels = make_batch()
+    assert_same_training(patched, stock, input_ids=ids, labels=labels)
+    revert_flce(patched)
+    assert "forward" not in patched.__dict__
+    out = patched(input_ids=ids, labels=labels)
+    torch.testing.assert_close(out.logits, stock(input_ids=ids, labels=labels).logits, rtol=0, atol=0)
+
+
+def test_unsupported_models_raise():
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=VOCAB))
+    with pytest.raises(ValueError, match="LlamaForCausalLM.*Qwen3MoeForCausalLM"):
+        apply_flce(gpt2)
+    with pytest.raises(ValueError, match="supported classes: LlamaForCausalLM"):
+        apply_flce_to_llama(make_model("Qwen2ForCausalLM"))
+    config = transformers.LlamaConfig(**BASE)
+    with pytest.raises(ValueError, match="LlamaForSequenceClassification is not supported"):
+        apply_flce(transformers.LlamaForSequenceClassification(config))
+
+
+def test_state_dict_and_save_pretrained_unchanged(tmp_path):
+    patched, stock = patched_pair("Qwen3ForCausalLM", tie=True)
+    assert patched.state_dict().keys() == stock.state_dict().keys()
+    patched.save_pretrained(tmp_path)
+    loaded = transformers.Qwen3ForCausalLM.from_pretrained(tmp_path)
+    for key, value in stock.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value), key
+
+
+def test_peft_lora_and_modules_to_save():
+    peft = pytest.importorskip("peft")
+    ids, labels = make_batch()
+    for config in (
+        peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "gate_proj"], init_lora_weights=False),
+        peft.LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]),
+    ):
+        stock = peft.get_peft_model(make_model("LlamaForCausalLM"), config)
+        patched = copy.deepcopy(stock)
+        assert apply_flce_to_llama(patched) is patched
+        inputs = dict(input_ids=ids, labels=labels, num_items_in_batch=torch.tensor(11.0))
+        _, ref = assert_same_training(patched, stock, **inputs)
+        trainable = {n for n, p in stock.named_parameters() if p.requires_grad}
+        assert any("lora_" in n for n in trainable)
+        assert bool(config.modules_to_save) == any("modules_to_save" in n for n in trainable)
+
+
+def test_peft_adapter_on_lm_head_falls_back_with_one_warning():
+    peft = pytest.importorskip("peft")
+    patch_forward._warned.clear()
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "lm_head"], init_lora_weights=False)
+    stock = peft.get_peft_model(make_model("Qwen2ForCausalLM"), config)
+    patched = apply_flce_to_qwen(copy.deepcopy(stock))
+    ids, labels = make_batch()
+    with pytest.warns(UserWarning, match="lm_head"):
+        out = patched(input_ids=ids, labels=labels)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = patched(input_ids=ids, labels=labels)
+    ref = stock(input_ids=ids, labels=labels)
+    assert out.logits is not None
+    torch.testing.assert_close(out.loss, ref.loss, rtol=0, atol=0)
+
+
+def test_gradient_checkpointing():
+    patched, stock = patched_pair("Qwen2MoeForCausalLM", tie=True)
+    for model in (patched, stock):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids, labels = make_batch()
+    assert_same_training(patched, stock, input_ids=ids, labels=labels, use_cache=False)
+
+
+def test_bf16_autocast():
+    patched, stock = patched_pair("LlamaForCausalLM")
+    ids, labels = make_batch()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, grads = loss_and_grads(patched, input_ids=ids, labels=labels)
+        ref, ref_grads = loss_and_grads(stock, input_ids=ids, labels=labels)
+    assert out.logits is None and out.loss.dtype == torch.float32
+    # bf16 rounding differs (stock rounds the logits to bf16 before its fp32 loss), so compare loosely.
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-2, atol=0)
+    for name, g in grads.items():
+        assert torch.linalg.norm(g - ref_grads[name]) <= 5e-2 * torch.linalg.norm(ref_grads[name]), name
+
+
+def test_torch_compile():
+    patched, stock = patched_pair("Qwen3ForCausalLM")
+    ids, labels = make_batch()
+    torch._dynamo.reset()
+    compiled = torch.compile(patched, backend="aot_eager")
+    out, grads = loss_and_grads(compiled, input_ids=ids, labels=labels)
+    ref, ref_grads = loss_and_grads(stock, input_ids=ids, labels=labels)
+    assert out.logits is None
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=0)
+    for name, g in grads.items():
+        ref_g = ref_grads[name.removeprefix("_orig_mod.")]
+        torch.testing.assert_close(g, ref_g, rtol=1e-4, atol=1e-4 * ref_g.abs().max())
+
+
+def _train(model, tmp_path, fused: bool):
+    gen = torch.Generator().manual_seed(2)
+    rows = []
+    for i in range(10):  # different masked-prompt lengths, so num_items_in_batch matters
+        ids = torch.randint(1, VOCAB, (12,), generator=gen)
+        labels = ids.clone()
+        labels[: 1 + (3 * i) % 9] = -100
+        rows.append(dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels))
+    if fused:
+        apply_flce(model)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / ("fused" if fused else "stock")),
+        per_device_train_batch_size=2,
+        per_device_eval_batch_size=4,
+        gradient_accumulation_steps=2,
+        max_steps=4,
+        learning_rate=1e-2,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        data_seed=0,
+    )
+
+    def accuracy(pred):
+        logits, labels = pred.predictions, pred.label_ids
+        if isinstance(logits, tuple):  # MoE: aux_loss and router_logits come along
+            logits = next(p for p in logits if p.ndim == 3 and p.shape[-1] == VOCAB)
+        hits = (logits[:, :-1].argmax(-1) == labels[:, 1:])[labels[:, 1:] != -100]
+        return {"accuracy": float(hits.mean())}
+
+    trainer = transformers.Trainer(
+        model=model, args=args, train_dataset=rows, eval_dataset=rows[:4], compute_metrics=accuracy
+    )
+    trainer.train()
+    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    return losses, trainer.evaluate()
+
+
+@pytest.mark.parametrize("name", ["LlamaForCausalLM", "Qwen3MoeForCausalLM"])
+def test_trainer_gradient_accumulation_matches_stock(name, tmp_path):
+    patched, stock = patched_pair(name, tie=True)
+    revert_flce(patched)
+    losses, metrics = _train(patched, tmp_path, fused=True)
+    ref_losses, ref_metrics = _train(stock, tmp_path, fused=False)
+    assert len(losses) == 4
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    assert metrics["eval_accuracy"] == ref_metrics["eval_accuracy"]
+    torch.testing.assert_close(metrics["eval_loss"], ref_metrics["eval_loss"], rtol=1e-5, atol=0)
+    for (n, p), q in zip(patched.named_parameters(), stock.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=n)
+
+
+def test_late_patching_after_accelerate_prepare():
+    accelerate = pytest.importorskip("accelerate")
+    from accelerate.state import AcceleratorState
+
+    ids, labels = make_batch()
+    AcceleratorState._reset_state(reset_partial_state=True)  # a Trainer may have set it up without bf16
+    try:
+        accelerator = accelerate.Accelerator(mixed_precision="bf16", cpu=True)
+        late = accelerator.prepare(make_model("LlamaForCausalLM"))
+        assert "_original_forward" in late.__dict__  # accelerate wrapped the instance forward
+        with pytest.raises(RuntimeError, match="already wrapped"):
+            apply_flce_to_llama(late)
+        with pytest.raises(RuntimeError, match="class patch would not reach"):
+            apply_flce_to_llama()
+        assert late(input_ids=ids, labels=labels).logits is not None
+        del late
+        accelerator.free_memory()  # drops the accelerator's references to the prepared model
+        gc.collect()
+        apply_flce_to_llama()  # nothing stuck any more
+        revert_flce()
+
+        early = accelerator.prepare(apply_flce_to_llama(make_model("LlamaForCausalLM")))
+        out = early(input_ids=ids, labels=labels)
+        assert out.logits is None and torch.isfinite(out.loss)
+        apply_flce_to_llama(early, z_loss=1e-2)  # re-applying after prepare updates the options
+        assert early(input_ids=ids, labels=labels).loss > out.loss
+        revert_flce(early)
+        assert early(input_ids=ids, labels=labels).logits is not None
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_lazy_exports():
+    assert hf_flce.apply_flce is apply_flce and hf_flce.revert_flce is revert_flce
