@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +45,9 @@ def _denominator(target, valid_rows_weight, opts: FLCEOptions, num_items_in_batc
     return torch.where(den == 0, torch.ones_like(den), den)
 
 
+# torch.compile runs the op eagerly (one graph break): its chunk loop sizes GEMMs from the data, which a traced graph
+# would have to re-specialise on every batch.
+@torch.compiler.disable
 def fused_linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -201,7 +205,11 @@ class FusedLinearCrossEntropyLoss(nn.Module):
 
     def __init__(self, **options) -> None:
         super().__init__()
-        allowed = set(fused_linear_cross_entropy.__kwdefaults__)
+        allowed = {
+            name
+            for name, param in inspect.signature(fused_linear_cross_entropy).parameters.items()
+            if param.kind is inspect.Parameter.KEYWORD_ONLY
+        }
         unknown = set(options) - allowed
         if unknown:
             raise TypeError(f"unknown option(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
