@@ -1,0 +1,106 @@
+"""CPU smoke test of the benchmark scripts at tiny sizes: they run end to end, write JSON, tables and plots."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def _load(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", SCRIPTS / f"{name}.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def _by_provider(rows: list[dict], **match) -> dict[str, dict]:
+    return {r["provider"]: r for r in rows if all(r.get(k) == v for k, v in match.items())}
+
+
+def test_kernel_reference_and_peaked_inputs() -> None:
+    """The benchmark's chunked fp32 reference matches float64 autograd; "peaked" raises target logits by 14."""
+    kernel = _load("benchmark_kernel")
+    dev = kernel.Device("cpu")
+    shape = kernel.Shape("t", 48, 16, 300, 30.0)
+    x, w, y = kernel.make_inputs(shape, "flat", dev, seed=3)
+    scale = torch.randn(shape.n)
+    nll, dx, dw = kernel.reference(x, w, y, scale, shape.softcap)
+
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    z = F.linear(x64, w64)
+    z = torch.tanh(z / shape.softcap) * shape.softcap
+    ref = F.cross_entropy(z, y, ignore_index=kernel.IGNORE, reduction="none")
+    ref_dx, ref_dw = torch.autograd.grad(ref, (x64, w64), scale.double())
+    torch.testing.assert_close(nll.double(), ref.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dx.double(), ref_dx, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(dw.double(), ref_dw, rtol=1e-4, atol=1e-6)
+
+    xp, wp, yp = kernel.make_inputs(shape, "peaked", dev, seed=3)
+    valid = yp != kernel.IGNORE
+    rows = torch.arange(shape.n)[valid]
+    raise_ = (xp.float() - x.float())[valid] @ w.float().T
+    assert torch.equal(yp, y) and torch.equal(wp, w)
+    torch.testing.assert_close(
+        raise_[torch.arange(len(rows)), y[valid]], torch.full((len(rows),), 14.0), atol=0.15, rtol=0
+    )
+
+
+def test_kernel_benchmark_cpu(tmp_path: Path, capsys) -> None:
+    kernel = _load("benchmark_kernel")
+    argv = ["--device", "cpu", "--quick", "--shapes", "64x32x512,64x32x512x30", "--focus-shapes", "64x32x512"]
+    argv += ["--memory-base", "128x32x1024", "--providers", "stock,liger,ours"]
+    argv += ["--threads", "1", "--out", str(tmp_path)]
+    assert kernel.main(argv) == 0
+    data = json.loads((tmp_path / "kernel.json").read_text())
+
+    for dist in ("flat", "peaked"):
+        rows = _by_provider(data["main"], shape="64x32x512", dist=dist)
+        assert set(rows) == {"stock", "liger", "ours"}
+        assert rows["liger"]["status"].startswith("n/a")
+        for name in ("stock", "ours"):
+            assert rows[name]["status"] == "ok", rows[name]
+            assert rows[name]["fwdbwd_ms"] > 0 and rows[name]["dx_err"] < 5e-2 and rows[name]["dw_err"] < 5e-2
+    assert _by_provider(data["main"], shape="64x32x512x30")["ours"]["status"] == "ok"
+    assert kernel.unsupported("torch_lce", kernel.stock_loss, kernel.parse_shape("64x32x512x30")) == "n/a: no softcap"
+    assert data["floor"]["64x32x512"]["floor_ms"] > 0
+    assert _by_provider(data["pertoken"])["ours"]["status"] == "ok"
+    assert _by_provider(data["masked"])["stock"]["unmasked_ms"] > 0
+    mem = _by_provider(data["cpu_memory"])
+    assert mem["stock"]["status"] == "ok" and mem["stock"]["rss_extra_bytes"] >= 0, mem["stock"]
+    assert (tmp_path / "kernel.md").read_text().count("|") > 20
+    assert (tmp_path / "kernel.png").stat().st_size > 0
+    assert "÷ floor" in capsys.readouterr().out
+
+    # Tables and plots can be redrawn from the JSON alone.
+    redo = tmp_path / "redo"
+    assert kernel.main(["--device", "cpu", "--from-json", str(tmp_path / "kernel.json"), "--out", str(redo)]) == 0
+    assert (redo / "kernel.md").read_text() == (tmp_path / "kernel.md").read_text()
+
+
+def test_training_benchmark_cpu(tmp_path: Path) -> None:
+    training = _load("benchmark_training")
+    argv = ["--device", "cpu", "--models", "tiny-llama", "--tokens", "128", "--seq", "64", "--steps", "1"]
+    argv += ["--warmup", "1", "--providers", "stock,liger,ours", "--no-isolate", "--threads", "1"]
+    argv += ["--out", str(tmp_path)]
+    assert training.main(argv) == 0
+    data = json.loads((tmp_path / "training.json").read_text())
+    rows = _by_provider(data["results"])
+    assert set(rows) == {"stock", "liger", "ours"}
+    assert rows["liger"]["status"].startswith("n/a")
+    for name in ("stock", "ours"):
+        assert rows[name]["status"] == "ok", rows[name]
+        assert rows[name]["tokens_per_s"] > 0 and rows[name]["tokens_per_step"] == 128
+    # Same seed, same model, same batch: the first-step losses agree.
+    assert abs(rows["ours"]["losses"][0] - rows["stock"]["losses"][0]) < 1e-2
+    assert "tiny-llama" in (tmp_path / "training.md").read_text()
+    assert (tmp_path / "training.png").stat().st_size > 0
