@@ -288,9 +288,15 @@ def test_bad_inputs_are_named():
     _bad("cannot be combined", reduction="none", num_items_in_batch=4)
     _bad("num_items_in_batch must be", TypeError, num_items_in_batch="4")
     _bad("weight must be 2-D", weight=torch.randn(10, 8, 1))
-    _bad("runs on CUDA", backend="triton") if not torch.cuda.is_available() else None
     meta = torch.randn(10, 8, device="meta")
     _bad("device mismatch", weight=meta)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-without-interpreter refusal")
+def test_triton_backend_refuses_cpu_tensors_outside_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    _bad("runs on CUDA", backend="triton")
+    _bad("runs on NPU", backend="ascend")
 
 
 def test_ignore_index_custom_value():

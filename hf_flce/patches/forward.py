@@ -18,7 +18,7 @@ from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 from transformers.utils.generic import can_return_tuple
 
-from ..api import fused_linear_cross_entropy
+from ..distributed import head_linear_cross_entropy, linear_of
 from ..options import BACKENDS, FLCEOptions
 
 try:
@@ -71,31 +71,18 @@ def _warn_once(key: str, message: str) -> None:
         warnings.warn(message, stacklevel=4)
 
 
-def head_parameters(head: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """``(weight, bias)`` of the linear map ``head`` applies, or ``None`` when it is not a plain linear map.
-
-    PEFT's ``modules_to_save`` wrapper resolves to its active copy; a LoRA (or any other) adapter on the head, a
-    quantized linear, or a weight that is not materialised here (offloaded, ZeRO-3 shard) gives ``None``.
-    """
-    if isinstance(head, nn.Linear) and type(head).forward is nn.Linear.forward:
-        weight = head.weight
-        if weight.is_meta or weight.numel() == 0:
-            return None
-        return weight, head.bias
-    try:
-        from peft.utils import ModulesToSaveWrapper
-    except ImportError:
-        return None
-    if isinstance(head, ModulesToSaveWrapper):
-        active = head.active_adapters
-        if head.disable_adapters or not active or any(a not in head.modules_to_save for a in active):
-            return head_parameters(head.original_module)
-        return head_parameters(head.modules_to_save[active[0]])
-    return None
+def _fusable(head: nn.Module) -> bool:
+    """Whether the fused loss can stand in for ``head``: a plain linear map (see :func:`hf_flce.distributed.linear_of`)
+    whose weight is real or made real by the engine's hooks around the head's call (FSDP1, FSDP2, ZeRO-3, accelerate's
+    offload hooks). A meta weight with no hook to load it is not."""
+    linear = linear_of(head)
+    if linear is None:
+        return False
+    return not (linear.weight.is_meta and getattr(linear, "_hf_hook", None) is None)
 
 
-def _fused_head(model: nn.Module, labels: torch.Tensor | None, skip_logits: bool | None):
-    """``(options, weight, bias)`` when this call takes the fused path, else ``None``."""
+def _fused_head(model: nn.Module, labels: torch.Tensor | None, skip_logits: bool | None) -> PatchOptions | None:
+    """The patch options when this call takes the fused path, else ``None``."""
     options = getattr(model, STATE_ATTR).options
     if options is None or labels is None:
         return None
@@ -103,8 +90,7 @@ def _fused_head(model: nn.Module, labels: torch.Tensor | None, skip_logits: bool
         skip_logits = options.skip_logits
     if not (model.training if skip_logits is None else skip_logits):
         return None
-    params = head_parameters(model.lm_head)
-    if params is None:
+    if not _fusable(model.lm_head):
         kind = type(model.lm_head)
         name = kind.__name__
         _warn_once(
@@ -113,28 +99,29 @@ def _fused_head(model: nn.Module, labels: torch.Tensor | None, skip_logits: bool
             "materialised here); using the stock forward, which materialises the logits.",
         )
         return None
-    return options, *params
+    return options
 
 
-def _fused_loss(model: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, head, kwargs: dict) -> torch.Tensor:
-    """The stock causal-LM loss (``ForCausalLMLoss``) of ``lm_head(hidden)``, computed by the fused op."""
-    options, weight, bias = head
+def _fused_loss(
+    model: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, options: PatchOptions, kwargs: dict
+) -> torch.Tensor:
+    """The stock causal-LM loss (``ForCausalLMLoss``) of ``lm_head(hidden)``, computed by the fused op run as the
+    head's forward, so that FSDP1 / FSDP2 / DeepSpeed ZeRO-3 gather its weight (:mod:`hf_flce.distributed`)."""
     ignore_index = kwargs.get("ignore_index", -100)
     shift_labels = kwargs.get("shift_labels")
     if shift_labels is None:
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-    hidden = hidden.reshape(-1, hidden.shape[-1]).to(weight.device)
-    target = shift_labels.reshape(-1).to(weight.device)
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    target = shift_labels.reshape(-1)
     if target.numel() != hidden.shape[0]:
         raise ValueError(
             f"labels give {target.numel()} targets for {hidden.shape[0]} positions (after logits_to_keep); "
             "they must match as in the stock loss"
         )
-    return fused_linear_cross_entropy(
+    return head_linear_cross_entropy(
+        model.lm_head,
         hidden,
-        weight,
         target,
-        bias,
         ignore_index=ignore_index,
         num_items_in_batch=kwargs.get("num_items_in_batch"),
         label_smoothing=options.label_smoothing,
@@ -159,7 +146,7 @@ def _forward(
 ):
     """The body of both forwards; an MoE call carries ``output_router_logits`` in ``kwargs``."""
     state: PatchState = getattr(self, STATE_ATTR)
-    head = _fused_head(self, labels, kwargs.pop("skip_logits", None))
+    options = _fused_head(self, labels, kwargs.pop("skip_logits", None))
     inputs = dict(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -168,11 +155,11 @@ def _forward(
         inputs_embeds=inputs_embeds,
         use_cache=use_cache,
     )
-    if head is None:
+    if options is None:
         return state.stock_forward(self, **inputs, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
     outputs = self.model(**inputs, **kwargs)
     hidden = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
-    loss = _fused_loss(self, hidden, labels, head, kwargs)
+    loss = _fused_loss(self, hidden, labels, options, kwargs)
     fields = dict(
         logits=None,
         past_key_values=outputs.past_key_values,
