@@ -37,15 +37,19 @@ def _fp32_out(x: torch.Tensor) -> bool:
     return _HAS_MM_OUT_DTYPE and x.device.type == "cuda" and x.dtype in (torch.bfloat16, torch.float16)
 
 
+def mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` in float32. On CUDA, bf16/fp16 operands with a float32 output: nothing is rounded to 16 bits."""
+    if _fp32_out(a):
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return torch.mm(a, b).float()
+
+
 def compute_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x W^T + b`` in float32. On CUDA the bf16/fp16 GEMM writes float32 directly, so the logits are never
-    rounded to 16 bits before the softmax (stock HF rounds them, which costs accuracy on peaked distributions)."""
-    if _fp32_out(x):
-        logits = torch.mm(x, weight.t(), out_dtype=torch.float32)
-    elif bias is not None and x.dtype == torch.float32:
+    """``x W^T + b`` in float32, so the logits are never rounded to 16 bits before the softmax (stock HF rounds
+    them, which costs accuracy on peaked distributions)."""
+    if bias is not None and x.dtype == torch.float32:
         return torch.addmm(bias, x, weight.t())
-    else:
-        logits = torch.mm(x, weight.t()).float()
+    logits = mm_fp32(x, weight.t())
     if bias is not None:
         logits += bias.float()
     return logits
@@ -80,9 +84,21 @@ def check_target_range(target: torch.Tensor, vocab: int, ignore_index: int) -> N
         torch._assert_async(~bad.any(), f"hf_flce: target outside [0, V={vocab}) and not ignore_index={ignore_index}")
 
 
-def _rows_per_chunk(plan: CallPlan, vocab: int, grad_bytes: int) -> int:
-    bytes_per_row = vocab * (4 + plan.tiles.scratch_bytes_per_logit + grad_bytes)
-    return max(1, plan.budget // bytes_per_row)
+def plan_chunk_rows(
+    n_rows: int, vocab: int, hidden: int, bytes_per_logit: int, budget: int, accumulates_dw: bool
+) -> int:
+    """Rows per chunk: as many as ``budget`` bytes of per-logit buffers allow, balanced so the last chunk is not a
+    sliver. Several chunks need a float32 ``[V, H]`` dW accumulator, so one chunk is taken whenever it costs no more
+    memory than that accumulator plus a budget-sized chunk (it also saves the accumulator's traffic)."""
+    if n_rows == 0:
+        return 1
+    bytes_per_row = vocab * bytes_per_logit
+    accumulator = vocab * hidden * 4 if accumulates_dw else 0
+    if n_rows * bytes_per_row <= budget + accumulator:
+        return n_rows
+    max_rows = max(1, budget // bytes_per_row)
+    n_chunks = -(-n_rows // max_rows)
+    return -(-n_rows // n_chunks)
 
 
 def _keep_limit(plan: CallPlan, device: torch.device) -> int:
@@ -104,8 +120,6 @@ class _GradBuffers:
         self.dx = torch.empty_like(x) if need_dx else None
         self.single = n_chunks == 1
         self.dw = None
-        if need_dw and not self.single:
-            self.dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         self.need_dw = need_dw
         self.db = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_db else None
         self.weight = weight
@@ -116,6 +130,8 @@ class _GradBuffers:
         if self.need_dw:
             if self.single:
                 self.dw = grad_logits.t() @ x_chunk
+            elif self.dw is None:
+                self.dw = mm_fp32(grad_logits.t(), x_chunk)  # the first chunk initialises the accumulator
             else:
                 accumulate_dw(self.dw, grad_logits, x_chunk)
         if self.db is not None:
@@ -170,7 +186,8 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
 
         eager = need_grad and plan.reduction == "scalar"
         grad_bytes = x.element_size() if (eager and x.dtype != torch.float32) else 0
-        chunk = _rows_per_chunk(plan, vocab, grad_bytes)
+        per_logit = 4 + plan.tiles.scratch_bytes_per_logit + grad_bytes
+        chunk = plan_chunk_rows(n_valid, vocab, x.shape[1], per_logit, plan.budget, eager and need_dw)
         n_chunks = max(1, -(-n_valid // chunk))
         keep_logits = need_grad and not eager and n_valid > 0 and n_valid * vocab * 4 <= _keep_limit(plan, x.device)
         if keep_logits:
@@ -289,8 +306,10 @@ def _recompute_grads(
     gl, glp, ge = compact(g_loss), compact(g_logp), compact(g_ent)
     n_valid = xs.shape[0]
     grad_bytes = x.element_size() if x.dtype != torch.float32 else 0
-    chunk = n_valid if kept is not None else _rows_per_chunk(plan, weight.shape[0], grad_bytes)
-    chunk = max(chunk, 1)
+    per_logit = 4 + plan.tiles.scratch_bytes_per_logit + grad_bytes
+    chunk = plan_chunk_rows(n_valid, weight.shape[0], x.shape[1], per_logit, plan.budget, need_dw)
+    if kept is not None:
+        chunk = max(n_valid, 1)
     n_chunks = max(1, -(-n_valid // chunk))
     grads = _GradBuffers(xs, weight, bias, n_chunks, need_dx, need_dw, need_db)
     for start, end in _chunks(n_valid, chunk):
