@@ -1,0 +1,153 @@
+"""Helpers shared by ``examples/sft.py``, ``examples/dpo.py`` and ``examples/demo.py``: TRL's argument parser plus
+a few example options, the embedded tiny model and data, and a callback that records losses, throughput and peak
+memory."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import TrainerCallback
+
+from . import build_tiny_model, build_tokenizer, load_toy_dataset, toy_training_defaults
+
+TOY_DATASETS = {"sft": "sft_chat", "dpo": "preference"}
+
+
+@dataclass
+class ExampleArgs:
+    """Everything an example needs: TRL's four argument dataclasses and the example's own options."""
+
+    script: object
+    training: object
+    model: object
+    dataset: object
+    stock_trl: bool = False
+    metrics_json: str | None = None
+    vocab_size: int | None = None
+    embedded_model: bool = True
+    embedded_data: bool = True
+    extra: dict = field(default_factory=dict)
+
+
+def parse_example_args(command: str, argv: list[str] | None = None) -> ExampleArgs:
+    """Parse TRL's ``trl <command>`` arguments plus ``--stock_trl`` (run TRL's own trainer, for comparison),
+    ``--metrics_json PATH`` and ``--vocab_size N`` (pad the tiny model's vocabulary). Without
+    ``--model_name_or_path`` the tiny model is used, and the toy defaults of :func:`toy_training_defaults` apply."""
+    from ..cli import make_parser
+
+    own = argparse.ArgumentParser(add_help=False)
+    own.add_argument("--stock_trl", action="store_true")
+    own.add_argument("--metrics_json")
+    own.add_argument("--vocab_size", type=int)
+    opts, rest = own.parse_known_args(sys.argv[1:] if argv is None else argv)
+    parser = make_parser(command, prog=f"examples/{command}.py")
+    embedded_model = not any(a.startswith("--model_name_or_path") for a in rest)
+    if embedded_model:
+        parser.set_defaults(**toy_training_defaults(command))
+    script, training, model, dataset = parser.parse_args_and_config(rest)
+    return ExampleArgs(
+        script=script,
+        training=training,
+        model=model,
+        dataset=dataset,
+        stock_trl=opts.stock_trl,
+        metrics_json=opts.metrics_json,
+        vocab_size=opts.vocab_size,
+        embedded_model=embedded_model,
+        embedded_data=not (script.dataset_name or dataset.datasets),
+    )
+
+
+def toy_model_and_data(command: str, args: ExampleArgs):
+    """``(model, tokenizer, dataset)`` for the embedded default: tiny Qwen2 (or the given model path, with
+    ``tokenizer`` None so that TRL loads it) and the bundled dataset (or None when a dataset was given)."""
+    model = tokenizer = dataset = None
+    if args.embedded_model:
+        tokenizer = build_tokenizer()
+        model = build_tiny_model(tokenizer, vocab_size=args.vocab_size, seed=args.training.seed)
+    if args.embedded_data:
+        dataset = load_toy_dataset(TOY_DATASETS[command], test_size=32)
+    return model, tokenizer, dataset
+
+
+def peak_memory_bytes() -> int:
+    """Peak memory of this process: CUDA allocations on a GPU, resident set size on a CPU."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+class MetricsRecorder(TrainerCallback):
+    """Records every log, the training tokens per second (``num_tokens`` over the time in training steps) and the
+    peak memory; writes them as JSON at the end when ``path`` is set."""
+
+    def __init__(self, path: str | None = None, label: str = "") -> None:
+        self.path, self.label = path, label
+        self.logs: list[dict] = []
+        self.train_seconds = 0.0
+        self._step_start = None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._step_start = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.train_seconds += time.perf_counter() - self._step_start
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.logs.append({"step": state.global_step, **(logs or {})})
+
+    def summary(self) -> dict:
+        tokens = max((log.get("num_tokens", 0) for log in self.logs), default=0)
+        return {
+            "label": self.label,
+            "logs": self.logs,
+            "train_seconds": self.train_seconds,
+            "tokens_per_second": tokens / self.train_seconds if self.train_seconds else 0.0,
+            "peak_memory_bytes": peak_memory_bytes(),
+            "device": "cuda" if torch.cuda.is_available() else "cpu",
+        }
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.path and state.is_world_process_zero:
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+            Path(self.path).write_text(json.dumps(self.summary(), indent=1))
+
+
+def run_example(command: str, trainer_cls, stock_cls, argv: list[str] | None = None) -> dict:
+    """Parse the example's arguments, then do what ``hf-flce <command>`` does (build ``trainer_cls``, or
+    ``stock_cls`` with ``--stock_trl``, train, save) on the embedded tiny model and data unless a model or dataset
+    is named. Returns the :class:`MetricsRecorder` summary."""
+    from ..cli import train
+
+    args = parse_example_args(command, argv)
+    model, tokenizer, dataset = toy_model_and_data(command, args)
+    cls = stock_cls if args.stock_trl else trainer_cls
+    recorder = MetricsRecorder(args.metrics_json, label=cls.__name__)
+    extra = {}
+    if command == "dpo" and model is not None and not args.model.use_peft:
+        # A model instance has no path to load the reference from: give a frozen copy (PEFT disables the adapter).
+        extra["ref_model"] = copy.deepcopy(model)
+    train(
+        command,
+        args.script,
+        args.training,
+        args.model,
+        args.dataset,
+        dataset=dataset,
+        model=model,
+        trainer_cls=cls,
+        processing_class=tokenizer,
+        callbacks=[recorder],
+        **extra,
+    )
+    return recorder.summary()

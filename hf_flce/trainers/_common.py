@@ -1,0 +1,55 @@
+"""What the SFT and DPO subclasses share: TRL's constructor run with hf_flce's head in place of TRL's, and a
+constructor signature made of TRL's parameters plus hf_flce's keyword-only options."""
+
+from __future__ import annotations
+
+import inspect
+import types
+
+from accelerate.utils import is_peft_model
+
+from .head import flce_head_in_place_of_trl, has_flce_head
+
+_FLCE_OPTIONS = (
+    inspect.Parameter("flce_backend", inspect.Parameter.KEYWORD_ONLY, default="auto", annotation=str),
+    inspect.Parameter("flce_memory_budget", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=int | None),
+)
+
+
+class FLCETrainerMixin:
+    """Runs the TRL trainer's constructor while its module's ``add_fused_lm_head`` installs
+    :func:`~hf_flce.trainers.head.add_flce_lm_head`, then checks that every fused head is hf_flce's.
+
+    ``flce_backend`` and ``flce_memory_budget`` become the op's ``backend`` and ``memory_budget``.
+    """
+
+    _trl_module: types.ModuleType
+
+    def __init__(self, *args, flce_backend: str = "auto", flce_memory_budget: int | None = None, **kwargs) -> None:
+        self.flce_backend = flce_backend
+        self.flce_memory_budget = flce_memory_budget
+        with flce_head_in_place_of_trl(self._trl_module, backend=flce_backend, memory_budget=flce_memory_budget):
+            super().__init__(*args, **kwargs)
+        for name, model in self._fused_models():
+            if not has_flce_head(model):
+                raise RuntimeError(
+                    f"TRL did not install the fused LM head of the {name} through `add_fused_lm_head`, so hf_flce "
+                    "could not replace it: this TRL version is not supported (hf_flce supports trl>=1.16,<1.17)"
+                )
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        trl_init = next(base.__init__ for base in cls.__mro__ if base.__module__.startswith("trl."))
+        params = [p for p in inspect.signature(trl_init).parameters.values() if p.kind != p.VAR_KEYWORD]
+
+        def __init__(self, *args, **kwargs):
+            FLCETrainerMixin.__init__(self, *args, **kwargs)
+
+        # help() and IDEs show TRL's parameters plus hf_flce's options.
+        __init__.__signature__ = inspect.Signature([*params, *_FLCE_OPTIONS])
+        __init__.__doc__ = cls.__doc__
+        cls.__init__ = __init__
+
+    def _fused_models(self):
+        model = self.accelerator.unwrap_model(self.model)
+        yield "policy model", (model.get_base_model() if is_peft_model(model) else model)

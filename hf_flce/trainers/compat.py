@@ -1,0 +1,102 @@
+"""The TRL internals hf_flce's trainers rely on, checked at import so that a TRL change fails loudly.
+
+Relied on (TRL 1.16):
+
+* ``trl.trainer.sft_trainer.add_fused_lm_head`` and ``trl.trainer.dpo_trainer.add_fused_lm_head``: the module-level
+  names the trainers' constructors call as ``add_fused_lm_head(model, outputs=...)`` to patch the policy (and the
+  DPO reference); hf_flce's head stands in for them while the constructor runs.
+* ``trl.trainer.utils.FusedCausalLMOutput`` (its fields) and ``maybe_gather_lm_head_ctx`` (ZeRO-3 gathering).
+* ``SFTTrainer.compute_loss(model, inputs, return_outputs, num_items_in_batch)`` and the instance attributes it
+  uses: ``_metrics``, ``_total_train_tokens``, ``_tp_size``, ``aux_loss_enabled``, ``router_aux_loss_coef``,
+  ``compute_loss_func``; ``SFTConfig.loss_type``, ``label_smoothing_factor`` and ``average_tokens_across_devices``.
+* ``DPOTrainer._compute_loss`` reading ``log_probs``, ``entropy``, ``mean_logits``, ``is_top1``,
+  ``log_sum_sq_probs`` and ``aux_loss`` from ``model(..., labels=..., fused_lm_head=True)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import warnings
+
+SUPPORTED_TRL = (">=1.16", "<1.17")
+FUSED_OUTPUT_FIELDS = {
+    "loss",
+    "log_probs",
+    "entropy",
+    "log_sum_sq_probs",
+    "mean_logits",
+    "is_top1",
+    "label_mask",
+    "aux_loss",
+}
+SFT_INSTANCE_ATTRIBUTES = (
+    "_metrics",
+    "_total_train_tokens",
+    "_tp_size",
+    "aux_loss_enabled",
+    "router_aux_loss_coef",
+    "compute_loss_func",
+)
+
+
+def trl_problems() -> list[str]:
+    """Every way the installed TRL differs from what the trainers rely on (empty when it is fine)."""
+    import trl
+    import trl.trainer.dpo_trainer as trl_dpo
+    import trl.trainer.sft_trainer as trl_sft
+    import trl.trainer.utils as trl_utils
+    from packaging.specifiers import SpecifierSet
+    from transformers import Trainer
+
+    problems = []
+    if trl.__version__ not in SpecifierSet(",".join(SUPPORTED_TRL)):
+        problems.append(f"trl {trl.__version__} is outside the supported range {','.join(SUPPORTED_TRL)}")
+    for module in (trl_sft, trl_dpo):
+        head = getattr(module, "add_fused_lm_head", None)
+        if head is None:
+            problems.append(f"{module.__name__}.add_fused_lm_head is gone")
+        elif list(inspect.signature(head).parameters)[:4] != [
+            "model",
+            "temperature",
+            "cast_lm_head_to_fp32",
+            "outputs",
+        ]:
+            problems.append(f"{module.__name__}.add_fused_lm_head changed signature: {inspect.signature(head)}")
+        if "add_fused_lm_head(" not in inspect.getsource(module):
+            problems.append(f"{module.__name__} no longer calls add_fused_lm_head")
+    output_cls = getattr(trl_utils, "FusedCausalLMOutput", None)
+    if output_cls is None:
+        problems.append("trl.trainer.utils.FusedCausalLMOutput is gone")
+    elif {f.name for f in dataclasses.fields(output_cls)} != FUSED_OUTPUT_FIELDS:
+        problems.append(f"FusedCausalLMOutput fields changed: {[f.name for f in dataclasses.fields(output_cls)]}")
+    if not callable(getattr(trl_utils, "maybe_gather_lm_head_ctx", None)):
+        problems.append("trl.trainer.utils.maybe_gather_lm_head_ctx is gone")
+    compute_loss = list(inspect.signature(trl_sft.SFTTrainer.compute_loss).parameters)
+    if compute_loss != ["self", "model", "inputs", "return_outputs", "num_items_in_batch"]:
+        problems.append(f"SFTTrainer.compute_loss changed signature: {compute_loss}")
+    sft_source = inspect.getsource(trl_sft.SFTTrainer.__init__)
+    for name in SFT_INSTANCE_ATTRIBUTES:
+        if name != "compute_loss_func" and f"self.{name} =" not in sft_source:
+            problems.append(f"SFTTrainer no longer sets self.{name}")
+    fields = {f.name for f in dataclasses.fields(trl.SFTConfig)}
+    for name in ("loss_type", "label_smoothing_factor", "average_tokens_across_devices"):
+        if name not in fields:
+            problems.append(f"SFTConfig.{name} is gone")
+    if not callable(getattr(Trainer, "get_tp_size", None)):
+        problems.append("transformers.Trainer.get_tp_size is gone")
+    dpo_source = inspect.getsource(trl_dpo.DPOTrainer._compute_loss)
+    if "fused_lm_head=True" not in dpo_source:
+        problems.append("DPOTrainer._compute_loss no longer calls the model with fused_lm_head=True")
+    return problems
+
+
+def check_trl_compat() -> None:
+    """Raise ``ImportError`` when a TRL internal the trainers rely on is missing or changed; warn when only the
+    version is outside the supported range."""
+    problems = trl_problems()
+    structural = [p for p in problems if "outside the supported range" not in p]
+    if structural:
+        raise ImportError("hf_flce's trainers do not support the installed TRL: " + "; ".join(structural))
+    for problem in problems:
+        warnings.warn(f"hf_flce: {problem}", stacklevel=2)

@@ -1,0 +1,252 @@
+"""A fused LM head with TRL's ``FusedCausalLMOutput`` contract, computed by :func:`hf_flce.fused_linear_cross_entropy`.
+
+TRL 1.16's SFT and DPO trainers patch the model with ``trl.trainer.utils.add_fused_lm_head`` and then call
+``model(..., labels=labels, fused_lm_head=True)``. :func:`add_flce_lm_head` has the same signature and output
+contract (shifted labels unless ``shift_labels`` is given, zeros at ignored positions, ``label_mask``, MoE
+``aux_loss``, the config's logit scale and softcap), so it can be installed in its place. It also understands
+``fused_loss_type``, with which the caller asks for a trainable scalar loss directly: ``"nll"`` takes the op's
+three-GEMM path (gradients computed during forward), and the per-token fields come back detached for metrics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+import types
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from trl.trainer.utils import FusedCausalLMOutput, maybe_gather_lm_head_ctx
+
+from ..api import fused_linear_cross_entropy
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover - torch builds without distributed
+    DTensor = ()
+
+IGNORE_INDEX = -100
+FUSED_LOSS_TYPES = ("nll", "dft")
+_PER_TOKEN_FIELDS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+_HEAD_MARK = "_hf_flce_head"
+
+
+@dataclass
+class FLCECausalLMOutput(FusedCausalLMOutput):
+    """:class:`trl.trainer.utils.FusedCausalLMOutput` plus ``token_loss``.
+
+    Args:
+        token_loss: the token-level loss alone (no MoE term): with ``fused_loss_type`` the trainable NLL or DFT loss
+            (label-smoothed if asked), otherwise ``loss`` without the weighted ``aux_loss``.
+    """
+
+    token_loss: torch.Tensor | None = None
+
+
+def logit_transform(text_config) -> tuple[float, float | None]:
+    """``(scale, softcap)`` of the config's logit transform ``softcap * tanh(scale * z / softcap)``, read from the
+    same attributes TRL's fused head reads (``logit_scale``, ``output_multiplier``, ``lm_head_multiplier``,
+    ``logits_scaling``, ``final_logit_softcapping``)."""
+    scale = getattr(text_config, "logit_scale", None)
+    for name in ("output_multiplier", "lm_head_multiplier"):
+        if scale is None:
+            scale = getattr(text_config, name, None)
+    scaling = getattr(text_config, "logits_scaling", None)
+    if scale is None and scaling is not None:
+        # Granite and MiniCPM3 divide by `logits_scaling`; HyperCLOVA X multiplies by it.
+        scale = scaling if text_config.model_type == "hyperclovax" else 1 / scaling
+    return (1.0 if scale is None else float(scale)), getattr(text_config, "final_logit_softcapping", None)
+
+
+def op_transform(text_config, temperature: float) -> tuple[float, float | None]:
+    """The op's ``(temperature, softcap)`` equal to scaling by ``scale``, capping, then dividing by ``temperature``:
+    ``c tanh(s z / c) / T = c' tanh(z / c') / T'`` with ``c' = c / s`` and ``T' = T / s`` for ``s > 0``."""
+    scale, softcap = logit_transform(text_config)
+    if scale <= 0:
+        raise NotImplementedError(f"hf_flce's fused head needs a positive logit scale, the config gives {scale}")
+    return temperature / scale, (None if softcap is None else softcap / scale)
+
+
+def _moe_aux_loss(model, text_config, backbone_outputs, attention_mask):
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    num_experts = getattr(text_config, "num_experts", None) or getattr(model, "num_experts", None)
+    return load_balancing_loss_func(
+        backbone_outputs.router_logits, num_experts, text_config.num_experts_per_tok, attention_mask
+    )
+
+
+def _denominator(mask: torch.Tensor, num_items_in_batch) -> torch.Tensor:
+    count = mask.sum() if num_items_in_batch is None else torch.as_tensor(num_items_in_batch, device=mask.device)
+    return count.clamp(min=1)
+
+
+def add_flce_lm_head(
+    model,
+    temperature: float = 1.0,
+    cast_lm_head_to_fp32: bool = False,
+    outputs: tuple[str, ...] = ("log_probs",),
+    *,
+    backend: str = "auto",
+    memory_budget: int | None = None,
+) -> None:
+    """Give ``model`` a fused LM head: ``model(..., labels=labels, fused_lm_head=True)`` returns an
+    :class:`FLCECausalLMOutput` instead of logits; without ``fused_lm_head`` the forward is the original one.
+
+    The first four arguments are those of ``trl.trainer.utils.add_fused_lm_head``. ``backend`` and ``memory_budget``
+    go to :func:`hf_flce.fused_linear_cross_entropy`. Extra forward keywords:
+
+    * ``fused_loss_type``: ``None`` (TRL's contract: differentiable per-token ``log_probs`` and ``entropy``; the op
+      recomputes or keeps the logits for backward), ``"nll"`` (scalar loss, gradients computed in forward: three
+      GEMMs) or ``"dft"`` (each token's NLL weighted by its detached probability). With a loss type, ``token_loss``
+      is the trainable loss and the per-token fields are detached.
+    * ``fused_label_smoothing``: label smoothing for ``"nll"``, as ``transformers``' ``LabelSmoother``.
+
+    Example:
+        >>> import torch
+        >>> from hf_flce.data import build_tiny_model, build_tokenizer
+        >>> from hf_flce.trainers import add_flce_lm_head
+        >>> model = build_tiny_model(build_tokenizer())
+        >>> add_flce_lm_head(model, outputs=("log_probs", "entropy", "is_top1"))
+        >>> ids = torch.randint(0, 600, (2, 9))
+        >>> out = model(input_ids=ids, labels=ids, fused_lm_head=True, fused_loss_type="nll")
+        >>> out.token_loss.backward()
+        >>> out.log_probs.shape, out.log_probs.requires_grad
+        (torch.Size([2, 8]), False)
+    """
+    unknown = set(outputs) - {"log_probs", *_PER_TOKEN_FIELDS}
+    if unknown:
+        raise ValueError(f"unknown fused-head outputs {sorted(unknown)}")
+    original_forward = model.forward
+    text_config = model.config.get_text_config()
+    op_temperature, op_softcap = op_transform(text_config, temperature)
+    op_kwargs = dict(temperature=op_temperature, softcap=op_softcap, backend=backend, memory_budget=memory_budget)
+
+    @functools.wraps(type(model).forward)
+    def flce_forward(
+        self,
+        *args,
+        fused_lm_head: bool = False,
+        labels=None,
+        shift_labels=None,
+        num_items_in_batch=None,
+        fused_loss_type: str | None = None,
+        fused_label_smoothing: float = 0.0,
+        **kwargs,
+    ):
+        if not fused_lm_head:
+            extra = {"labels": labels, "shift_labels": shift_labels, "num_items_in_batch": num_items_in_batch}
+            return original_forward(*args, **kwargs, **{k: v for k, v in extra.items() if v is not None})
+        if labels is None and shift_labels is None:
+            raise ValueError("fused_lm_head=True needs `labels` (or `shift_labels`)")
+        if fused_loss_type not in (None, *FUSED_LOSS_TYPES):
+            raise ValueError(f"fused_loss_type must be None or one of {FUSED_LOSS_TYPES}, got {fused_loss_type!r}")
+        if fused_label_smoothing and fused_loss_type != "nll":
+            raise ValueError("fused_label_smoothing applies to fused_loss_type='nll' only")
+
+        kwargs["use_cache"] = False
+        if getattr(text_config, "output_router_logits", False):
+            kwargs.setdefault("output_router_logits", True)
+        # Looked up on each call: FSDP and PEFT replace the backbone and the head after patching.
+        backbone_outputs = self.base_model(*args, **kwargs)
+        lm_head = self.get_output_embeddings()
+        weight, bias = lm_head.weight, lm_head.bias
+        if isinstance(weight, DTensor):  # FSDP2
+            weight = weight.full_tensor()
+            bias = None if bias is None else bias.full_tensor()
+        hidden = backbone_outputs.last_hidden_state.to(weight.device)
+        # Score every position against the next token, the last one against nothing: the hidden states stay a view.
+        shifted = shift_labels is None
+        targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX) if shifted else shift_labels
+        targets = targets.to(weight.device)
+        autocast_ctx = contextlib.nullcontext()
+        if cast_lm_head_to_fp32:
+            hidden, weight = hidden.float(), weight.float()
+            bias = None if bias is None else bias.float()
+            autocast_ctx = torch.autocast(hidden.device.type, enabled=False)
+
+        mask = targets != IGNORE_INDEX
+        with autocast_ctx, maybe_gather_lm_head_ctx(weight, bias):
+            if fused_loss_type == "nll":
+                token_loss, stats = fused_linear_cross_entropy(
+                    hidden,
+                    weight,
+                    targets,
+                    bias,
+                    num_items_in_batch=num_items_in_batch,
+                    label_smoothing=fused_label_smoothing,
+                    return_stats=True,
+                    **op_kwargs,
+                )
+            else:
+                _, stats = fused_linear_cross_entropy(
+                    hidden, weight, targets, bias, reduction="none", return_stats=True, **op_kwargs
+                )
+                per_token = -stats.logprobs
+                if fused_loss_type == "dft":  # DFT, https://huggingface.co/papers/2508.05629
+                    per_token = per_token * stats.logprobs.detach().exp()
+                token_loss = per_token.sum() / _denominator(mask, num_items_in_batch)
+
+        detach = fused_loss_type is not None
+        fields = {
+            "log_probs": stats.logprobs,
+            "entropy": stats.entropy,
+            "log_sum_sq_probs": stats.log_sum_sq_probs,
+            "mean_logits": stats.mean_logit,
+            "is_top1": stats.is_top1,
+            "label_mask": mask,
+        }
+        for name, value in fields.items():
+            if name not in ("log_probs", "label_mask") and name not in outputs:
+                value = None
+            elif detach:
+                value = value.detach()
+            if value is not None and shifted:
+                value = value[:, :-1]
+            fields[name] = value
+
+        loss, aux_loss = token_loss, None
+        if kwargs.get("output_router_logits"):
+            aux_loss = _moe_aux_loss(self, text_config, backbone_outputs, kwargs.get("attention_mask"))
+            loss = token_loss + getattr(text_config, "router_aux_loss_coef", 0.0) * aux_loss
+        return FLCECausalLMOutput(loss=loss, token_loss=token_loss, aux_loss=aux_loss, **fields)
+
+    setattr(flce_forward, _HEAD_MARK, True)
+    model.forward = types.MethodType(flce_forward, model)
+
+
+def has_flce_head(model) -> bool:
+    """Whether ``model.forward`` (or one it wraps, e.g. accelerate's autocast wrapper) is :func:`add_flce_lm_head`'s."""
+    forward = getattr(model, "forward", None)
+    if getattr(model, "_original_forward", None) is not None:  # accelerate's mixed-precision wrapper keeps it here
+        forward = model._original_forward
+    for _ in range(8):
+        func = getattr(forward, "__func__", forward)
+        if getattr(func, _HEAD_MARK, False):
+            return True
+        forward = getattr(func, "__wrapped__", None)
+        if forward is None:
+            return False
+    return False
+
+
+_SWAP_LOCK = threading.RLock()
+
+
+@contextlib.contextmanager
+def flce_head_in_place_of_trl(trainer_module: types.ModuleType, **head_kwargs):
+    """While active, ``trainer_module.add_fused_lm_head`` (the name TRL's trainer calls to patch its models) installs
+    :func:`add_flce_lm_head` instead, with the same arguments plus ``head_kwargs``."""
+    if not callable(getattr(trainer_module, "add_fused_lm_head", None)):
+        raise RuntimeError(
+            f"{trainer_module.__name__} has no `add_fused_lm_head`: this TRL version is not supported by hf_flce"
+        )
+    with _SWAP_LOCK:
+        original = trainer_module.add_fused_lm_head
+        trainer_module.add_fused_lm_head = functools.partial(add_flce_lm_head, **head_kwargs)
+        try:
+            yield
+        finally:
+            trainer_module.add_fused_lm_head = original

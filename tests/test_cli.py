@@ -1,0 +1,129 @@
+"""``hf-flce sft`` / ``hf-flce dpo``: TRL's arguments and errors, hf_flce's trainers, launched like ``trl``."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import trl.scripts.dpo
+import trl.scripts.sft
+
+from hf_flce import cli
+from hf_flce.data import build_tiny_model, build_tokenizer, data_file
+from hf_flce.trainers import FLCEDPOTrainer, FLCESFTTrainer
+
+TINY_RUN = ["--max_steps", "2", "--bf16", "false", "--report_to", "none", "--save_strategy", "no", "--use_cpu"]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """A saved tiny model with its tokenizer, and one dataset directory per command (``load_dataset(dir)``)."""
+    root = tmp_path_factory.mktemp("cli")
+    tokenizer = build_tokenizer()
+    build_tiny_model(tokenizer).save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+    for command, name in (("sft", "sft_chat"), ("dpo", "preference")):
+        (root / command).mkdir()
+        rows = data_file(name).read_text().splitlines()[:40]
+        (root / command / "train.jsonl").write_text("\n".join(rows) + "\n")
+    return root
+
+
+def _args(workdir, command, *extra):
+    return [
+        "--model_name_or_path",
+        str(workdir / "model"),
+        "--dataset_name",
+        str(workdir / command),
+        "--output_dir",
+        str(workdir / f"out-{command}"),
+        *TINY_RUN,
+        *extra,
+    ]
+
+
+@pytest.mark.parametrize("command, trl_script", [("sft", trl.scripts.sft), ("dpo", trl.scripts.dpo)])
+def test_parser_is_trls(command, trl_script):
+    ours, theirs = cli.make_parser(command), trl_script.make_parser()
+    assert ours.dataclass_types == theirs.dataclass_types
+    assert sorted(a.option_strings for a in ours._actions) == sorted(a.option_strings for a in theirs._actions)
+
+
+def test_sft_trains_with_our_trainer(workdir):
+    parser = cli.make_parser("sft")
+    parsed = parser.parse_args_and_config(_args(workdir, "sft", "--loss_type", "dft"))
+    trainer = cli.train("sft", *parsed)
+    assert isinstance(trainer, FLCESFTTrainer)
+    assert trainer.state.global_step == 2
+    assert trainer.args.model_init_kwargs["trust_remote_code"] is False  # never on unless asked
+    assert (workdir / "out-sft" / "config.json").exists()
+
+
+def test_dpo_runs_in_process(workdir, monkeypatch):
+    trainers = []
+    monkeypatch.setattr(FLCEDPOTrainer, "train", lambda self, **kw: trainers.append(self))
+    assert cli.run_in_process(["dpo", *_args(workdir, "dpo", "--loss_type", "sigmoid", "sft")]) == 0
+    (trainer,) = trainers
+    assert trainer.loss_types == ["sigmoid", "sft"]
+    assert trainer.ref_model is not None  # loaded from the model path, like TRL
+
+
+@pytest.mark.parametrize(
+    "argv, error, match",
+    [
+        (["--model_name_or_path", "MODEL", "--output_dir", "OUT"], ValueError, "Either `datasets` or `dataset_name`"),
+        (["--model_name_or_path", "MODEL", "--dataset_name", "MISSING"], FileNotFoundError, "missing"),
+        (["--model_name_or_path", "DATA", "--dataset_name", "DATA"], ValueError, "Unrecognized model"),
+    ],
+    ids=["no-dataset", "missing-dataset-path", "not-a-model"],
+)
+def test_trl_errors(workdir, argv, error, match):
+    paths = {"MODEL": workdir / "model", "DATA": workdir / "sft", "MISSING": workdir / "missing", "OUT": workdir / "o"}
+    argv = [str(paths.get(a, a)) for a in argv] + TINY_RUN
+    with pytest.raises(error, match=match):
+        cli.run_in_process(["sft", *argv])
+
+
+def test_unknown_loss_type_is_rejected_by_trls_parser(workdir, capsys):
+    with pytest.raises(SystemExit):
+        cli.run_in_process(["sft", *_args(workdir, "sft", "--loss_type", "bogus")])
+    assert "invalid choice: 'bogus'" in capsys.readouterr().err
+
+
+def test_no_command_prints_help(capsys):
+    assert cli.main([]) == 0
+    assert "sft" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cli.main(["bogus"])
+
+
+def test_launch_goes_through_accelerate(workdir, monkeypatch):
+    launched = []
+    monkeypatch.setattr("accelerate.commands.launch.launch_command", launched.append)
+    args = _args(workdir, "sft")
+    assert cli.main(["sft", "--num_processes", "2", *args]) == 0
+    (accelerate_args,) = launched
+    assert accelerate_args.module and accelerate_args.training_script == "hf_flce.cli"
+    assert accelerate_args.num_processes == 2
+    assert accelerate_args.training_script_args == ["sft", *args]
+
+
+def test_remove_subsequence():
+    assert cli._remove_subsequence(["a", "--x", "1", "b", "--x", "2"], ["--x", "2"]) == ["a", "1", "b", "--x"]
+
+
+@pytest.mark.slow
+def test_console_script_end_to_end(workdir):
+    exe = shutil.which("hf-flce") or pytest.skip("hf-flce is not installed (pip install -e .)")
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    out = subprocess.run(
+        [exe, "sft", "--num_processes", "1", *_args(workdir, "sft")], env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "Training completed." in out.stdout
+    # The module form, as `accelerate launch -m hf_flce.cli` runs it on each rank.
+    out = subprocess.run([sys.executable, "-m", "hf_flce.cli", "dpo", *_args(workdir, "dpo")], env=env, text=True)
+    assert out.returncode == 0

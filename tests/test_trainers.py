@@ -1,0 +1,364 @@
+"""FLCESFTTrainer and FLCEDPOTrainer against stock TRL: same seed, fp32 CPU, two steps, every logged value.
+
+Each comparison trains a tiny model with TRL's trainer and with ours on the same data and seed, and requires every
+logged value (train and eval) to agree to rtol 1e-5. DPO runs use SGD: Adam's first step moves each weight by about
+``lr * sign(grad)``, which turns rounding-level gradient differences in near-zero entries into lr-sized weight
+differences; gradient accuracy itself is checked against float64 in ``test_dpo_gradients_match_float64``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import pytest
+import torch
+from transformers import TrainerCallback
+from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
+from trl.trainer.utils import add_fused_lm_head
+
+from hf_flce import FLCEDPOTrainer, FLCESFTTrainer
+from hf_flce.data import build_tiny_model, build_tokenizer, load_toy_dataset
+from hf_flce.trainers import add_flce_lm_head
+from hf_flce.trainers.compat import trl_problems
+
+RTOL, ATOL = 1e-5, 1e-6
+UNCOMPARED = ("runtime", "per_second", "epoch")
+TRAIN_ROWS = 48  # a few steps need few rows; tokenizing (and precomputing reference log-probs) costs per row
+ALL_DPO_LOSSES = [
+    "sigmoid",
+    "hinge",
+    "ipo",
+    "exo_pair",
+    "nca_pair",
+    "robust",
+    "bco_pair",
+    "sppo_hard",
+    "aot",
+    "aot_unpaired",
+    "apo_zero",
+    "apo_down",
+    "discopop",
+    "sft",
+    "sigmoid_norm",
+]
+
+
+class LogRecorder(TrainerCallback):
+    def __init__(self):
+        self.logs = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.logs.append(dict(logs))
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()
+
+
+def _base_args(config_cls, tmp_path, **overrides):
+    defaults = dict(
+        output_dir=str(tmp_path),
+        max_steps=2,
+        logging_steps=1,
+        per_device_train_batch_size=4,
+        per_device_eval_batch_size=8,
+        eval_strategy="steps",
+        eval_steps=2,
+        learning_rate=1e-3,
+        save_strategy="no",
+        report_to="none",
+        bf16=False,
+        seed=0,
+        disable_tqdm=True,
+    )
+    return config_cls(**{**defaults, **overrides})
+
+
+def run_sft(cls, tokenizer, tmp_path, *, arch="qwen2", dataset="sft_chat", model=None, **overrides):
+    recorder = LogRecorder()
+    data = load_toy_dataset(dataset, test_size=16)
+    trainer = cls(
+        model=model if model is not None else build_tiny_model(tokenizer, arch=arch),
+        args=_base_args(SFTConfig, tmp_path, **overrides),
+        train_dataset=data["train"].select(range(TRAIN_ROWS)),
+        eval_dataset=data["test"],
+        processing_class=tokenizer,
+        callbacks=[recorder],
+    )
+    trainer.train()
+    return recorder.logs, trainer
+
+
+def run_dpo(cls, tokenizer, tmp_path, *, arch="qwen2", reference="ref_model", peft_config=None, **overrides):
+    recorder = LogRecorder()
+    # Own fingerprints: TRL caches precomputed reference log-probs by dataset fingerprint and model hash, and the
+    # second trainer must compute them rather than read the first one's.
+    data = {
+        split: rows.map(lambda row: row, new_fingerprint=f"{cls.__name__}-{split}")
+        for split, rows in load_toy_dataset("preference", test_size=16).items()
+    }
+    model = build_tiny_model(tokenizer, arch=arch)
+    extra = {}
+    if reference == "ref_model":
+        extra["ref_model"] = build_tiny_model(tokenizer, arch=arch)
+    elif reference == "path":
+        model.save_pretrained(tmp_path / "model")
+        model = str(tmp_path / "model")
+    trainer = cls(
+        model=model,
+        args=_base_args(DPOConfig, tmp_path, optim="sgd", learning_rate=0.1, **overrides),
+        train_dataset=data["train"].select(range(TRAIN_ROWS)),
+        eval_dataset=data["test"],
+        processing_class=tokenizer,
+        peft_config=peft_config,
+        callbacks=[recorder],
+        **extra,
+    )
+    trainer.train()
+    return recorder.logs, trainer
+
+
+def assert_logs_match(stock: list[dict], ours: list[dict], beta: float | None = None) -> None:
+    assert len(stock) == len(ours) and stock
+    for row_stock, row_ours in zip(stock, ours, strict=True):
+        assert set(row_stock) == set(row_ours)
+        logps = [abs(v) for k, v in row_stock.items() if "logps/" in k]
+        for key, expected in row_stock.items():
+            if key.endswith(UNCOMPARED):
+                continue
+            atol = ATOL
+            if beta is not None and "rewards/" in key and not key.endswith("accuracies"):
+                # beta * (logp - ref_logp): both sums carry rtol-level rounding, and the difference cancels it.
+                atol = max(ATOL, RTOL * beta * max(logps, default=0.0))
+            assert math.isclose(row_ours[key], expected, rel_tol=RTOL, abs_tol=atol), (key, expected, row_ours[key])
+
+
+def _compare_sft(tokenizer, tmp_path, **kwargs):
+    stock, _ = run_sft(SFTTrainer, tokenizer, tmp_path / "stock", **kwargs)
+    ours, trainer = run_sft(FLCESFTTrainer, tokenizer, tmp_path / "ours", **kwargs)
+    assert_logs_match(stock, ours)
+    return ours, trainer
+
+
+def _compare_dpo(tokenizer, tmp_path, **kwargs):
+    stock, _ = run_dpo(DPOTrainer, tokenizer, tmp_path / "stock", **kwargs)
+    ours, trainer = run_dpo(FLCEDPOTrainer, tokenizer, tmp_path / "ours", **kwargs)
+    assert_logs_match(stock, ours, beta=trainer.beta)
+    return ours, trainer
+
+
+# ---------------------------------------------------------------- TRL internals and API surface
+
+
+def test_trl_internals_we_rely_on_are_present():
+    assert trl_problems() == []
+
+
+@pytest.mark.parametrize("ours, stock", [(FLCESFTTrainer, SFTTrainer), (FLCEDPOTrainer, DPOTrainer)])
+def test_constructor_takes_everything_trl_does(ours, stock):
+    trl_params = list(inspect.signature(stock.__init__).parameters)
+    our_params = list(inspect.signature(ours.__init__).parameters)
+    assert our_params[: len(trl_params)] == trl_params
+    assert our_params[len(trl_params) :] == ["flce_backend", "flce_memory_budget"]
+    assert issubclass(ours, stock)
+
+
+# ---------------------------------------------------------------- the fused head against TRL's
+
+
+def _heads(tokenizer, **config):
+    models = [build_tiny_model(tokenizer), build_tiny_model(tokenizer)]
+    fields = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+    for model in models:
+        for key, value in config.items():
+            setattr(model.config, key, value)
+    add_fused_lm_head(models[0], outputs=fields)
+    add_flce_lm_head(models[1], outputs=fields)
+    return models, fields
+
+
+@pytest.mark.parametrize(
+    "config", [{}, {"final_logit_softcapping": 3.0, "logit_scale": 0.5}], ids=["plain", "scale+softcap"]
+)
+@pytest.mark.parametrize("shifted", [True, False], ids=["labels", "shift_labels"])
+def test_head_matches_trl_contract(tokenizer, config, shifted):
+    (stock, ours), fields = _heads(tokenizer, **config)
+    ids = torch.randint(0, len(tokenizer), (3, 11))
+    labels = ids.clone()
+    labels[0, :5] = -100
+    labels[2, 7:] = -100
+    key = "labels" if shifted else "shift_labels"
+    out_stock = stock(input_ids=ids, fused_lm_head=True, **{key: labels})
+    out_ours = ours(input_ids=ids, fused_lm_head=True, **{key: labels})
+    for name in (*fields, "label_mask", "loss"):
+        a, b = getattr(out_stock, name), getattr(out_ours, name)
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        torch.testing.assert_close(b, a, rtol=RTOL, atol=2e-6, msg=name)
+    # Differentiable log-probabilities and entropy: same gradients through a per-token upstream.
+    weights = torch.rand_like(out_stock.log_probs)
+    for out in (out_stock, out_ours):
+        ((out.log_probs * weights).sum() + out.entropy.sum()).backward()
+    for (name, p_stock), p_ours in zip(stock.named_parameters(), ours.parameters()):
+        torch.testing.assert_close(p_ours.grad, p_stock.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("loss_type", ["nll", "dft"])
+def test_head_scalar_loss_types(tokenizer, loss_type):
+    (stock, ours), _ = _heads(tokenizer)
+    ids = torch.randint(0, len(tokenizer), (2, 9))
+    labels = ids.masked_fill(torch.rand(ids.shape) < 0.3, -100)
+    out = stock(input_ids=ids, labels=labels, fused_lm_head=True)
+    per_token = -out.log_probs * (out.log_probs.exp().detach() if loss_type == "dft" else 1.0)
+    (per_token.sum() / 7).backward()
+    mine = ours(input_ids=ids, labels=labels, fused_lm_head=True, fused_loss_type=loss_type, num_items_in_batch=7)
+    mine.token_loss.backward()
+    assert not mine.log_probs.requires_grad and not mine.entropy.requires_grad
+    torch.testing.assert_close(mine.token_loss, per_token.sum() / 7, rtol=RTOL, atol=ATOL)
+    for p_stock, p_ours in zip(stock.parameters(), ours.parameters()):
+        torch.testing.assert_close(p_ours.grad, p_stock.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_head_under_no_grad_and_generation(tokenizer):
+    (_, ours), _ = _heads(tokenizer)
+    ids = torch.randint(0, len(tokenizer), (2, 6))
+    with torch.no_grad():
+        out = ours(input_ids=ids, labels=ids, fused_lm_head=True)
+    assert not out.log_probs.requires_grad and not out.loss.requires_grad
+    assert ours(input_ids=ids).logits.shape == (2, 6, ours.config.vocab_size)  # the original forward
+    assert ours.generate(input_ids=ids[:, :3], max_new_tokens=2, do_sample=False).shape == (2, 5)
+    with pytest.raises(ValueError, match="needs `labels`"):
+        ours(input_ids=ids, fused_lm_head=True)
+
+
+# ---------------------------------------------------------------- SFT
+
+
+def test_sft_default_nll(tokenizer, tmp_path):
+    logs, trainer = _compare_sft(tokenizer, tmp_path)
+    assert {"loss", "entropy", "mean_token_accuracy", "num_tokens", "eval_loss", "eval_entropy"} <= set().union(*logs)
+    assert "hf-flce" in trainer._tag_names
+
+
+def test_sft_dft(tokenizer, tmp_path):
+    _compare_sft(tokenizer, tmp_path, loss_type="dft")
+
+
+def test_sft_completion_only(tokenizer, tmp_path):
+    _compare_sft(tokenizer, tmp_path, dataset="sft_prompt_completion", completion_only_loss=True)
+
+
+def test_sft_assistant_only(tokenizer, tmp_path):
+    _compare_sft(tokenizer, tmp_path, assistant_only_loss=True)
+
+
+def test_sft_packing_bfd(tokenizer, tmp_path):
+    _compare_sft(tokenizer, tmp_path, packing=True, packing_strategy="bfd", max_length=96)
+
+
+def test_sft_padding_free(tokenizer, tmp_path):
+    _compare_sft(tokenizer, tmp_path, padding_free=True, max_length=None, per_device_train_batch_size=3)
+
+
+def test_sft_gradient_accumulation(tokenizer, tmp_path):
+    _compare_sft(tokenizer, tmp_path, gradient_accumulation_steps=3, average_tokens_across_devices=True)
+
+
+def test_sft_moe_aux_loss(tokenizer, tmp_path):
+    logs, _ = _compare_sft(tokenizer, tmp_path, arch="qwen2_moe", gradient_accumulation_steps=2)
+    assert any("aux_loss" in row for row in logs) and any("eval_aux_loss" in row for row in logs)
+
+
+def test_sft_label_smoothing(tokenizer, tmp_path):
+    _compare_sft(tokenizer, tmp_path, label_smoothing_factor=0.1)
+
+
+def test_sft_eval_never_builds_logits(tokenizer, tmp_path):
+    model = build_tiny_model(tokenizer)
+    calls = []
+    model.lm_head.register_forward_hook(lambda *args: calls.append(1))
+    _, trainer = run_sft(FLCESFTTrainer, tokenizer, tmp_path, model=model)
+    trainer.evaluate()
+    assert calls == []
+
+
+def test_sft_model_path_and_peft(tokenizer, tmp_path):
+    from peft import LoraConfig
+
+    build_tiny_model(tokenizer).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    data = load_toy_dataset("sft_chat").select(range(TRAIN_ROWS))
+    trainer = FLCESFTTrainer(
+        model=str(tmp_path / "model"),
+        args=_base_args(SFTConfig, tmp_path, max_steps=2, eval_strategy="no"),
+        train_dataset=data,
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    )
+    assert trainer.train().training_loss > 0
+
+
+# ---------------------------------------------------------------- DPO
+
+
+def test_dpo_sigmoid(tokenizer, tmp_path):
+    logs, _ = _compare_dpo(tokenizer, tmp_path)
+    keys = set().union(*logs)
+    expected = {"rewards/chosen", "rewards/margins", "logps/chosen", "logits/chosen", "entropy", "mean_token_accuracy"}
+    assert expected | {"num_tokens", "eval_rewards/accuracies"} <= keys
+
+
+def test_dpo_all_loss_types_combined(tokenizer, tmp_path):
+    weights = [0.1 * (i + 1) for i in range(len(ALL_DPO_LOSSES))]
+    _compare_dpo(tokenizer, tmp_path, loss_type=ALL_DPO_LOSSES, loss_weights=weights, label_smoothing=0.1)
+
+
+def test_dpo_sigmoid_plus_sft(tokenizer, tmp_path):
+    _compare_dpo(tokenizer, tmp_path, loss_type=["sigmoid", "sft"], loss_weights=[1.0, 0.5])
+
+
+def test_dpo_ld_alpha_and_wpo(tokenizer, tmp_path):
+    _compare_dpo(tokenizer, tmp_path, ld_alpha=0.5, use_weighting=True)
+
+
+def test_dpo_precomputed_reference(tokenizer, tmp_path):
+    _compare_dpo(tokenizer, tmp_path, reference="path", precompute_ref_log_probs=True)
+
+
+def test_dpo_peft_reference_is_base_model(tokenizer, tmp_path):
+    from peft import LoraConfig
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    _, trainer = _compare_dpo(tokenizer, tmp_path, reference=None, peft_config=lora)
+    assert trainer.ref_model is None
+
+
+def test_dpo_moe(tokenizer, tmp_path):
+    logs, _ = _compare_dpo(tokenizer, tmp_path, arch="qwen2_moe")
+    assert any("aux_loss" in row for row in logs)
+
+
+def test_dpo_gradients_match_float64(tokenizer, tmp_path):
+    """One WPO step's gradients: ours are as close to a float64 run of TRL's code as TRL's fp32 ones."""
+    data = load_toy_dataset("preference").select(range(TRAIN_ROWS))
+    args = _base_args(DPOConfig, tmp_path, use_weighting=True, eval_strategy="no")
+    grads = {}
+    for name, cls, dtype in (
+        ("f64", DPOTrainer, torch.float64),
+        ("trl", DPOTrainer, None),
+        ("ours", FLCEDPOTrainer, None),
+    ):
+        model, ref = (build_tiny_model(tokenizer, dtype=dtype) for _ in range(2))
+        trainer = cls(model=model, ref_model=ref, args=args, train_dataset=data, processing_class=tokenizer)
+        batch = next(iter(trainer.get_train_dataloader()))
+        trainer.model.train()
+        trainer.compute_loss(trainer.model, batch).backward()
+        grads[name] = torch.cat([p.grad.double().flatten() for p in trainer.model.parameters()])
+    err = {k: ((grads[k] - grads["f64"]).norm() / grads["f64"].norm()).item() for k in ("trl", "ours")}
+    assert err["ours"] <= max(2 * err["trl"], 1e-6), err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss_type", ALL_DPO_LOSSES)
+def test_dpo_each_loss_type(tokenizer, tmp_path, loss_type):
+    _compare_dpo(tokenizer, tmp_path, loss_type=[loss_type], label_smoothing=0.1 if loss_type == "exo_pair" else 0.0)
