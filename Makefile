@@ -31,7 +31,7 @@ test-gpu: venv
 	$(PY) -m pytest -q -m gpu tests
 
 test-convergence: venv
-	$(PY) -m pytest -q -m slow tests/test_convergence.py
+	$(PY) -m pytest -q -m slow tests
 
 test-convergence-gpu: venv
 	$(PY) scripts/convergence_gpu.py

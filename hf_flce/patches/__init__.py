@@ -8,6 +8,7 @@ no model, the classes, so models created afterwards are fused. Patching touches 
 from __future__ import annotations
 
 import gc
+import warnings
 from dataclasses import replace
 from types import MethodType
 from typing import TypedDict, TypeVar
@@ -181,7 +182,7 @@ def _apply(families: tuple[str, ...], model: M | None, options: PatchKwargs, cal
     targets = tuple(t for family in families for t in FAMILIES[family])
     if model is None:
         classes = {load_class(t): t for t in targets}
-        _refuse_unreachable_instances(tuple(classes), caller)
+        _warn_unreachable_instances(tuple(classes), caller)
         for cls, target in classes.items():
             cls.forward = _fused_forward(target)
             setattr(cls, STATE_ATTR, _state(cls, target, opts))
@@ -233,9 +234,10 @@ def _routes_to_fused(module: nn.Module) -> bool:
     return _func(current) in FUSED_FORWARDS or _func(module.__dict__.get("_original_forward")) in FUSED_FORWARDS
 
 
-def _refuse_unreachable_instances(classes: tuple[type, ...], caller: str) -> None:
+def _warn_unreachable_instances(classes: tuple[type, ...], caller: str) -> None:
     """A class patch cannot reach instances whose forward was wrapped on the instance (accelerate's mixed-precision
-    wrapper captures the stock function): refuse rather than be silently ignored for them."""
+    wrapper captures the stock function; TRL's own fused head replaces it): say so rather than be silently ignored
+    for them. The patch still applies to every other instance, old and new."""
 
     def stuck() -> list[nn.Module]:
         return [
@@ -250,11 +252,12 @@ def _refuse_unreachable_instances(classes: tuple[type, ...], caller: str) -> Non
         found = stuck()
     if found:
         names = sorted({type(obj).__name__ for obj in found})
-        raise RuntimeError(
+        warnings.warn(
             f"{caller}: {len(found)} existing {'/'.join(names)} instance(s) have a forward wrapped on the instance "
-            f"({_describe(found[0].__dict__['forward'])}, e.g. by accelerator.prepare under mixed precision); a class "
-            f"patch would not reach them. Patch the classes before accelerator.prepare / trainer.train(), or call "
-            f"{caller}(model) on the unwrapped model before preparing it."
+            f"({_describe(found[0].__dict__['forward'])}, e.g. by accelerator.prepare under mixed precision); the class "
+            f"patch does not reach them and they keep the stock loss. Patch the classes before accelerator.prepare / "
+            f"trainer.train(), or call {caller}(model) on the unwrapped model before preparing it.",
+            stacklevel=3,
         )
 
 

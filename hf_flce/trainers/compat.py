@@ -5,7 +5,7 @@ Relied on (TRL 1.16):
 * ``trl.trainer.sft_trainer.add_fused_lm_head`` and ``trl.trainer.dpo_trainer.add_fused_lm_head``: the module-level
   names the trainers' constructors call as ``add_fused_lm_head(model, outputs=...)`` to patch the policy (and the
   DPO reference); hf_flce's head stands in for them while the constructor runs.
-* ``trl.trainer.utils.FusedCausalLMOutput`` (its fields) and ``maybe_gather_lm_head_ctx`` (ZeRO-3 gathering).
+* ``trl.trainer.utils.FusedCausalLMOutput`` (its fields).
 * ``SFTTrainer.compute_loss(model, inputs, return_outputs, num_items_in_batch)`` and the instance attributes it
   uses: ``_metrics``, ``_total_train_tokens``, ``_tp_size``, ``aux_loss_enabled``, ``router_aux_loss_coef``,
   ``compute_loss_func``; ``SFTConfig.loss_type``, ``label_smoothing_factor`` and ``average_tokens_across_devices``.
@@ -70,8 +70,6 @@ def trl_problems() -> list[str]:
         problems.append("trl.trainer.utils.FusedCausalLMOutput is gone")
     elif {f.name for f in dataclasses.fields(output_cls)} != FUSED_OUTPUT_FIELDS:
         problems.append(f"FusedCausalLMOutput fields changed: {[f.name for f in dataclasses.fields(output_cls)]}")
-    if not callable(getattr(trl_utils, "maybe_gather_lm_head_ctx", None)):
-        problems.append("trl.trainer.utils.maybe_gather_lm_head_ctx is gone")
     compute_loss = list(inspect.signature(trl_sft.SFTTrainer.compute_loss).parameters)
     if compute_loss != ["self", "model", "inputs", "return_outputs", "num_items_in_batch"]:
         problems.append(f"SFTTrainer.compute_loss changed signature: {compute_loss}")

@@ -18,14 +18,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from trl.trainer.utils import FusedCausalLMOutput, maybe_gather_lm_head_ctx
+from trl.trainer.utils import FusedCausalLMOutput
 
-from ..api import fused_linear_cross_entropy
-
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover - torch builds without distributed
-    DTensor = ()
+from ..distributed import head_linear_cross_entropy, linear_of
 
 IGNORE_INDEX = -100
 FUSED_LOSS_TYPES = ("nll", "dft")
@@ -152,42 +147,33 @@ def add_flce_lm_head(
         # Looked up on each call: FSDP and PEFT replace the backbone and the head after patching.
         backbone_outputs = self.base_model(*args, **kwargs)
         lm_head = self.get_output_embeddings()
-        weight, bias = lm_head.weight, lm_head.bias
-        if isinstance(weight, DTensor):  # FSDP2
-            weight = weight.full_tensor()
-            bias = None if bias is None else bias.full_tensor()
-        hidden = backbone_outputs.last_hidden_state.to(weight.device)
+        linear = linear_of(lm_head)
+        if linear is None:
+            raise ValueError(
+                f"the fused head needs a plain linear lm_head, got {type(lm_head).__name__} "
+                "(an adapter on lm_head would be skipped; put LoRA on other modules or use modules_to_save)"
+            )
+        # With the model split across devices (device_map) the backbone can end on another device than the head.
+        hidden = backbone_outputs.last_hidden_state.to(linear.weight.device)
         # Score every position against the next token, the last one against nothing: the hidden states stay a view.
         shifted = shift_labels is None
         targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX) if shifted else shift_labels
-        targets = targets.to(weight.device)
-        autocast_ctx = contextlib.nullcontext()
-        if cast_lm_head_to_fp32:
-            hidden, weight = hidden.float(), weight.float()
-            bias = None if bias is None else bias.float()
-            autocast_ctx = torch.autocast(hidden.device.type, enabled=False)
-
+        targets = targets.to(hidden.device)
         mask = targets != IGNORE_INDEX
-        with autocast_ctx, maybe_gather_lm_head_ctx(weight, bias):
-            if fused_loss_type == "nll":
-                token_loss, stats = fused_linear_cross_entropy(
-                    hidden,
-                    weight,
-                    targets,
-                    bias,
-                    num_items_in_batch=num_items_in_batch,
-                    label_smoothing=fused_label_smoothing,
-                    return_stats=True,
-                    **op_kwargs,
-                )
-            else:
-                _, stats = fused_linear_cross_entropy(
-                    hidden, weight, targets, bias, reduction="none", return_stats=True, **op_kwargs
-                )
-                per_token = -stats.logprobs
-                if fused_loss_type == "dft":  # DFT, https://huggingface.co/papers/2508.05629
-                    per_token = per_token * stats.logprobs.detach().exp()
-                token_loss = per_token.sum() / _denominator(mask, num_items_in_batch)
+        # Run as lm_head's own forward, so FSDP1/FSDP2/ZeRO-3 gather the weight as they would for logits.
+        head_loss = functools.partial(
+            head_linear_cross_entropy, lm_head, hidden, targets, upcast=cast_lm_head_to_fp32, return_stats=True
+        )
+        if fused_loss_type == "nll":
+            token_loss, stats = head_loss(
+                num_items_in_batch=num_items_in_batch, label_smoothing=fused_label_smoothing, **op_kwargs
+            )
+        else:
+            _, stats = head_loss(reduction="none", **op_kwargs)
+            per_token = -stats.logprobs
+            if fused_loss_type == "dft":  # DFT, https://huggingface.co/papers/2508.05629
+                per_token = per_token * stats.logprobs.detach().exp()
+            token_loss = per_token.sum() / _denominator(mask, num_items_in_batch)
 
         detach = fused_loss_type is not None
         fields = {
