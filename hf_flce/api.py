@@ -128,15 +128,12 @@ def fused_linear_cross_entropy(
         if not isinstance(num_items_in_batch, torch.Tensor) and num_items_in_batch < 0:
             raise ValueError(f"num_items_in_batch must be >= 0, got {num_items_in_batch}")
 
-    if torch.is_autocast_enabled(hidden.device.type) and isinstance(weight, torch.Tensor):
-        # Compute as F.linear would under autocast: both operands in the autocast dtype.
-        dtype = torch.get_autocast_dtype(hidden.device.type)
-        if hidden.is_floating_point():
-            hidden = hidden.to(dtype)
-        weight = weight.to(dtype)
-        if bias is not None:
-            bias = bias.to(dtype)
-    check_tensors(hidden, weight, target, bias, class_weight)
+    compute_dtype = None
+    if isinstance(hidden, torch.Tensor) and torch.is_autocast_enabled(hidden.device.type):
+        # The GEMMs run in the autocast dtype, as F.linear's would; the gradients come back in the inputs' own
+        # dtypes (an fp32 master weight receives its fp32 accumulator unrounded).
+        compute_dtype = torch.get_autocast_dtype(hidden.device.type)
+    check_tensors(hidden, weight, target, bias, class_weight, mixed_dtypes=compute_dtype is not None)
 
     tiles = resolve_backend(backend, hidden.device)
     vocab, size = weight.shape
@@ -170,6 +167,7 @@ def fused_linear_cross_entropy(
         denominator=_denominator(y, valid_weight, opts, num_items_in_batch, x.device),
         budget=opts.budget_bytes(x.device),
         grad_mode=torch.is_grad_enabled(),
+        compute_dtype=compute_dtype,
     )
     with torch.autocast(x.device.type, enabled=False):
         loss, logprobs, entropy, lse, is_top1, mean_logit, log_sum_sq_probs = FusedLinearCrossEntropyFunction.apply(

@@ -31,6 +31,13 @@ class CallPlan:
     denominator: torch.Tensor | None  # float32 0-d: the scalar loss is sum / denominator
     budget: int
     grad_mode: bool  # torch.is_grad_enabled() at the call (it is always off inside Function.forward)
+    # Under autocast: the dtype the GEMMs run in. The inputs stay in their own dtypes, so the gradients come back in
+    # them too (an fp32 master weight gets its fp32 accumulator, never rounded to bf16 on the way).
+    compute_dtype: torch.dtype | None = None
+
+
+def compute_operand(t: torch.Tensor, plan: CallPlan) -> torch.Tensor:
+    return t if plan.compute_dtype is None or t.dtype == plan.compute_dtype else t.to(plan.compute_dtype)
 
 
 def _fp32_out(x: torch.Tensor) -> bool:
@@ -47,7 +54,7 @@ def mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def compute_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x W^T + b`` in float32, so the logits are never rounded to 16 bits before the softmax (stock HF rounds
     them, which costs accuracy on peaked distributions)."""
-    if bias is not None and x.dtype == torch.float32:
+    if bias is not None and x.dtype == torch.float32 and bias.dtype == torch.float32:
         return torch.addmm(bias, x, weight.t())
     logits = mm_fp32(x, weight.t())
     if bias is not None:
@@ -114,24 +121,29 @@ def _chunks(n: int, size: int):
 
 
 class _GradBuffers:
-    """dX rows, fp32-accumulated dW (written once when there is a single chunk) and db for one gradient pass."""
+    """dX rows, fp32-accumulated dW (written once when there is a single chunk) and db for one gradient pass.
+    ``weight`` is the GEMM operand; the gradients come out in ``x_dtype`` and ``weight_dtype``."""
 
-    def __init__(self, x, weight, bias, n_chunks, need_dx, need_dw, need_db):
-        self.dx = torch.empty_like(x) if need_dx else None
+    def __init__(self, n_rows, x_dtype, weight, weight_dtype, n_chunks, need_dx, need_dw, need_db):
+        self.dx = torch.empty((n_rows, weight.shape[1]), dtype=x_dtype, device=weight.device) if need_dx else None
         self.single = n_chunks == 1
         self.dw = None
         self.need_dw = need_dw
         self.db = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_db else None
         self.weight = weight
+        self.weight_dtype = weight_dtype
 
     def add(self, start, end, grad_logits, x_chunk):
         if self.dx is not None:
-            torch.mm(grad_logits, self.weight, out=self.dx[start:end])
+            if self.dx.dtype == grad_logits.dtype:
+                torch.mm(grad_logits, self.weight, out=self.dx[start:end])
+            else:
+                self.dx[start:end] = mm_fp32(grad_logits, self.weight)
         if self.need_dw:
-            if self.single:
-                self.dw = grad_logits.t() @ x_chunk
-            elif self.dw is None:
+            if self.dw is None and (not self.single or self.weight_dtype == torch.float32):
                 self.dw = mm_fp32(grad_logits.t(), x_chunk)  # the first chunk initialises the accumulator
+            elif self.single:
+                self.dw = grad_logits.t() @ x_chunk
             else:
                 accumulate_dw(self.dw, grad_logits, x_chunk)
         if self.db is not None:
@@ -142,12 +154,13 @@ class _GradBuffers:
         float32 -> weight dtype cast of dW happen in one pass, with the scale kept in float32."""
         dx, dw, db = self.dx, None, self.db
         if self.need_dw:
+            out = dict(dtype=self.weight_dtype, device=self.weight.device)
             if self.dw is None:
-                dw = torch.zeros_like(self.weight)
+                dw = torch.zeros(self.weight.shape, **out)
             elif scale is None:
-                dw = self.dw.to(self.weight.dtype)
+                dw = self.dw.to(self.weight_dtype)
             else:
-                dw = torch.mul(self.dw, scale, out=torch.empty_like(self.weight))
+                dw = torch.mul(self.dw, scale, out=torch.empty(self.weight.shape, **out))
         if scale is not None:
             dx = None if dx is None else dx * scale
             db = None if db is None else db * scale
@@ -183,9 +196,10 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             else:
                 rows = None
         n_valid = xs.shape[0]
+        xs_c, w_c = compute_operand(xs, plan), compute_operand(weight, plan)
 
         eager = need_grad and plan.reduction == "scalar"
-        grad_bytes = x.element_size() if (eager and x.dtype != torch.float32) else 0
+        grad_bytes = xs_c.element_size() if (eager and xs_c.dtype != torch.float32) else 0
         per_logit = 4 + plan.tiles.scratch_bytes_per_logit + grad_bytes
         chunk = plan_chunk_rows(n_valid, vocab, x.shape[1], per_logit, plan.budget, eager and need_dw)
         n_chunks = max(1, -(-n_valid // chunk))
@@ -202,14 +216,16 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         top1_v = torch.empty(n_valid, dtype=torch.bool, device=x.device)
         lssp_v = torch.empty(n_valid, **f32)
 
-        grads = _GradBuffers(xs, weight, bias, n_chunks, need_dx, need_dw, need_db) if eager else None
+        grads = None
+        if eager:
+            grads = _GradBuffers(n_valid, x.dtype, w_c, weight.dtype, n_chunks, need_dx, need_dw, need_db)
         grad_scale = None
         if eager:
             grad_scale = (1.0 / plan.denominator).to(torch.float32).expand(min(chunk, max(n_valid, 1)))
         kept = None
         for start, end in _chunks(n_valid, chunk):
-            logits = compute_logits(xs[start:end], weight, bias)
-            grad_out = _grad_buffer(logits, x.dtype) if eager else None
+            logits = compute_logits(xs_c[start:end], w_c, bias)
+            grad_out = _grad_buffer(logits, xs_c.dtype) if eager else None
             stats = plan.tiles.forward(
                 logits,
                 ys[start:end],
@@ -225,7 +241,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             top1_v[start:end] = stats.is_top1
             lssp_v[start:end] = stats.log_sum_sq_probs
             if eager:
-                grads.add(start, end, grad_out, xs[start:end])
+                grads.add(start, end, grad_out, xs_c[start:end])
             elif keep_logits:
                 kept = logits
 
@@ -305,16 +321,17 @@ def _recompute_grads(
     ys = target if rows is None else target.index_select(0, rows)
     gl, glp, ge = compact(g_loss), compact(g_logp), compact(g_ent)
     n_valid = xs.shape[0]
-    grad_bytes = x.element_size() if x.dtype != torch.float32 else 0
+    xs_c, w_c = compute_operand(xs, plan), compute_operand(weight, plan)
+    grad_bytes = xs_c.element_size() if xs_c.dtype != torch.float32 else 0
     per_logit = 4 + plan.tiles.scratch_bytes_per_logit + grad_bytes
     chunk = plan_chunk_rows(n_valid, weight.shape[0], x.shape[1], per_logit, plan.budget, need_dw)
     if kept is not None:
         chunk = max(n_valid, 1)
     n_chunks = max(1, -(-n_valid // chunk))
-    grads = _GradBuffers(xs, weight, bias, n_chunks, need_dx, need_dw, need_db)
+    grads = _GradBuffers(n_valid, x.dtype, w_c, weight.dtype, n_chunks, need_dx, need_dw, need_db)
     for start, end in _chunks(n_valid, chunk):
-        logits = kept if kept is not None else compute_logits(xs[start:end], weight, bias)
-        grad_out = _grad_buffer(logits, x.dtype)
+        logits = kept if kept is not None else compute_logits(xs_c[start:end], w_c, bias)
+        grad_out = _grad_buffer(logits, xs_c.dtype)
         sl = slice(start, end)
         plan.tiles.backward(
             logits,
@@ -327,7 +344,7 @@ def _recompute_grads(
             None if ge is None else ge[sl],
             grad_out,
         )
-        grads.add(start, end, grad_out, xs[sl])
+        grads.add(start, end, grad_out, xs_c[sl])
     dx, dw, db = grads.finish()
     if dx is not None:
         dx = _scatter_rows(dx, rows, n)

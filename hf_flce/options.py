@@ -91,8 +91,10 @@ def check_tensors(
     target: torch.Tensor,
     bias: torch.Tensor | None,
     class_weight: torch.Tensor | None,
+    mixed_dtypes: bool = False,
 ) -> None:
-    """Shapes, dtypes and devices. Raises ValueError / TypeError naming the argument at fault."""
+    """Shapes, dtypes and devices. Raises ValueError / TypeError naming the argument at fault. ``mixed_dtypes``:
+    hidden and weight may differ (under autocast both are cast to the autocast dtype for the GEMMs)."""
     for name, t in (("hidden", hidden), ("weight", weight), ("target", target)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -100,7 +102,7 @@ def check_tensors(
         raise TypeError(f"hidden must be float32, bfloat16 or float16, got {hidden.dtype}")
     if weight.dtype not in FLOAT_DTYPES:
         raise TypeError(f"weight must be float32, bfloat16 or float16, got {weight.dtype}")
-    if hidden.dtype != weight.dtype:
+    if hidden.dtype != weight.dtype and not mixed_dtypes:
         raise TypeError(
             f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must have the same dtype "
             "(as F.linear requires; under torch.autocast both are cast for you)"
