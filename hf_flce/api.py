@@ -65,6 +65,7 @@ def fused_linear_cross_entropy(
     return_stats: bool = False,
     backend: str = "auto",
     memory_budget: int | None = None,
+    prob_weighted: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, FLCEStats]:
     """Cross-entropy of ``hidden @ weight.T + bias`` against ``target`` without materialising the logits.
 
@@ -86,6 +87,8 @@ def fused_linear_cross_entropy(
         return_stats: also return an :class:`FLCEStats`.
         backend: ``"auto"``, ``"torch"``, ``"triton"`` or ``"ascend"``.
         memory_budget: bytes of logits alive at once.
+        prob_weighted: multiply each token's loss by its detached target probability ``exp(logprobs)`` (DFT, as
+            TRL's ``loss_type="dft"``). Needs a scalar reduction; the gradient is still formed during forward.
 
     Returns:
         The loss (0-d, or the shape of ``target`` for ``reduction="none"``, float32), and the stats if asked.
@@ -111,8 +114,14 @@ def fused_linear_cross_entropy(
         temperature=temperature,
         memory_budget=memory_budget,
     )
-    if not isinstance(return_stats, bool):
-        raise TypeError(f"return_stats must be a bool, got {type(return_stats).__name__}")
+    for name, flag in (("return_stats", return_stats), ("prob_weighted", prob_weighted)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    if prob_weighted and reduction == "none" and num_items_in_batch is None:
+        raise ValueError(
+            "prob_weighted=True needs a scalar reduction ('mean', 'sum' or num_items_in_batch); with reduction='none' "
+            "weight the per-token loss yourself with stats.logprobs.exp().detach()"
+        )
     if num_items_in_batch is not None:
         if reduction != "mean":
             raise ValueError(
@@ -168,6 +177,7 @@ def fused_linear_cross_entropy(
         budget=opts.budget_bytes(x.device),
         grad_mode=torch.is_grad_enabled(),
         compute_dtype=compute_dtype,
+        prob_weighted=prob_weighted,
     )
     with torch.autocast(x.device.type, enabled=False):
         loss, logprobs, entropy, lse, is_top1, mean_logit, log_sum_sq_probs = FusedLinearCrossEntropyFunction.apply(

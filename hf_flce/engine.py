@@ -34,6 +34,7 @@ class CallPlan:
     # Under autocast: the dtype the GEMMs run in. The inputs stay in their own dtypes, so the gradients come back in
     # them too (an fp32 master weight gets its fp32 accumulator, never rounded to bf16 on the way).
     compute_dtype: torch.dtype | None = None
+    prob_weighted: bool = False  # DFT: each row's loss times its detached target probability
 
 
 def compute_operand(t: torch.Tensor, plan: CallPlan) -> torch.Tensor:
@@ -226,13 +227,19 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         for start, end in _chunks(n_valid, chunk):
             logits = compute_logits(xs_c[start:end], w_c, bias)
             grad_out = _grad_buffer(logits, xs_c.dtype) if eager else None
-            stats = plan.tiles.forward(
-                logits,
-                ys[start:end],
-                plan.params,
-                grad_scale=None if grad_scale is None else grad_scale[: end - start],
-                grad_out=grad_out,
-            )
+            scale = None if grad_scale is None else grad_scale[: end - start]
+            if plan.prob_weighted:
+                # DFT: loss_i * p_y (detached). Its gradient is the CE gradient scaled per row by p_y, which the
+                # stats pass yields: stats, then the one-pass gradient kernel with that row scale (same passes).
+                stats = plan.tiles.forward(logits, ys[start:end], plan.params)
+                prob = torch.exp(stats.logprob)
+                stats.loss = stats.loss * prob
+                if eager:
+                    plan.tiles.backward(
+                        logits, ys[start:end], stats.lse, stats.entropy, plan.params, scale * prob, None, None, grad_out
+                    )
+            else:
+                stats = plan.tiles.forward(logits, ys[start:end], plan.params, grad_scale=scale, grad_out=grad_out)
             loss_v[start:end] = stats.loss
             lse_v[start:end] = stats.lse
             logp_v[start:end] = stats.logprob

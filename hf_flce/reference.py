@@ -42,6 +42,7 @@ def reference_linear_cross_entropy(
     z_loss: float = 0.0,
     softcap: float | None = None,
     temperature: float = 1.0,
+    prob_weighted: bool = False,
     dtype: torch.dtype = torch.float64,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Returns ``(loss, stats)``; stats holds the per-token ``logprobs``, ``entropy``, ``lse``, ``is_top1`` and
@@ -74,6 +75,8 @@ def reference_linear_cross_entropy(
         "log_sum_sq_probs": torch.where(valid, torch.logsumexp(2 * log_softmax, dim=-1), zero).detach(),
     }
     stats = {k: v.reshape(target.shape) for k, v in stats.items()}
+    if prob_weighted:
+        per_token = per_token * stats["logprobs"].reshape(-1).exp().detach()
 
     if reduction == "none" and num_items_in_batch is None:
         return per_token.reshape(target.shape), stats

@@ -305,3 +305,18 @@ def test_ignore_index_custom_value():
     ours = hf_flce.fused_linear_cross_entropy(x, w, y, ignore_index=7)
     ref = F.cross_entropy(x @ w.T, y, ignore_index=7)
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kw", [{}, {"label_smoothing": 0.1, "z_loss": 1e-3}, {"num_items_in_batch": 41}])
+def test_prob_weighted_is_dft(kw):
+    """DFT (TRL's loss_type="dft"): each token's loss times its detached probability, on the 3-GEMM path."""
+    x, w, y, b = _problem(bias=True)
+    _compare(x, w, y, b, {**kw, "prob_weighted": True, "memory_budget": 3000})
+    leaves = [t.clone().requires_grad_() for t in (x, w)]
+    _, stats = hf_flce.fused_linear_cross_entropy(*leaves, y, return_stats=True)
+    logp = stats.logprobs
+    dft = (-(logp * logp.exp().detach())).sum() / (y != -100).sum()
+    ours = hf_flce.fused_linear_cross_entropy(x, w, y, prob_weighted=True)
+    torch.testing.assert_close(ours, dft, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="prob_weighted=True needs a scalar reduction"):
+        hf_flce.fused_linear_cross_entropy(x, w, y, prob_weighted=True, reduction="none")

@@ -205,7 +205,13 @@ def test_head_matches_trl_contract(tokenizer, config, shifted):
 
 
 @pytest.mark.parametrize("loss_type", ["nll", "dft"])
-def test_head_scalar_loss_types(tokenizer, loss_type):
+def test_head_scalar_loss_types(tokenizer, loss_type, monkeypatch):
+    from hf_flce import engine
+
+    def no_recompute(*args, **kwargs):
+        raise AssertionError("SFT nll/dft must take the three-GEMM path, not the per-token recompute")
+
+    monkeypatch.setattr(engine, "_recompute_grads", no_recompute)
     (stock, ours), _ = _heads(tokenizer)
     ids = torch.randint(0, len(tokenizer), (2, 9))
     labels = ids.masked_fill(torch.rand(ids.shape) < 0.3, -100)

@@ -95,7 +95,7 @@ def add_flce_lm_head(
 
     * ``fused_loss_type``: ``None`` (TRL's contract: differentiable per-token ``log_probs`` and ``entropy``; the op
       recomputes or keeps the logits for backward), ``"nll"`` (scalar loss, gradients computed in forward: three
-      GEMMs) or ``"dft"`` (each token's NLL weighted by its detached probability). With a loss type, ``token_loss``
+      GEMMs) or ``"dft"`` (each token's NLL weighted by its detached probability; also three GEMMs). With a loss type, ``token_loss``
       is the trainable loss and the per-token fields are detached.
     * ``fused_label_smoothing``: label smoothing for ``"nll"``, as ``transformers``' ``LabelSmoother``.
 
@@ -164,16 +164,18 @@ def add_flce_lm_head(
         head_loss = functools.partial(
             head_linear_cross_entropy, lm_head, hidden, targets, upcast=cast_lm_head_to_fp32, return_stats=True
         )
-        if fused_loss_type == "nll":
+        if fused_loss_type is not None:
+            # nll and dft (https://huggingface.co/papers/2508.05629: each token weighted by its detached probability)
+            # are scalar losses: the op's three-GEMM path, gradients formed during forward.
             token_loss, stats = head_loss(
-                num_items_in_batch=num_items_in_batch, label_smoothing=fused_label_smoothing, **op_kwargs
+                num_items_in_batch=num_items_in_batch,
+                label_smoothing=fused_label_smoothing,
+                prob_weighted=fused_loss_type == "dft",
+                **op_kwargs,
             )
         else:
             _, stats = head_loss(reduction="none", **op_kwargs)
-            per_token = -stats.logprobs
-            if fused_loss_type == "dft":  # DFT, https://huggingface.co/papers/2508.05629
-                per_token = per_token * stats.logprobs.detach().exp()
-            token_loss = per_token.sum() / _denominator(mask, num_items_in_batch)
+            token_loss = -stats.logprobs.sum() / _denominator(mask, num_items_in_batch)
 
         detach = fused_loss_type is not None
         fields = {

@@ -17,9 +17,9 @@ class FLCESFTTrainer(FLCETrainerMixin, SFTTrainer):
     """Drop-in replacement for :class:`trl.SFTTrainer`: same arguments, features and logged metrics, with the
     ``lm_head`` and the loss fused by :func:`hf_flce.fused_linear_cross_entropy`.
 
-    The ``nll`` loss (label-smoothed when ``label_smoothing_factor`` > 0) takes the op's three-GEMM path: its
-    gradient is known up to the upstream scalar, so it is computed during forward and the logits are never
-    recomputed. ``dft`` weights each token by its own detached probability, so it uses the per-token path. The
+    The ``nll`` loss (label-smoothed when ``label_smoothing_factor`` > 0) and ``dft`` (each token weighted by its
+    detached probability) take the op's three-GEMM path: their gradient is known up to the upstream scalar and a
+    per-row factor the kernel computes, so it is formed during forward and the logits are never recomputed. The
     metrics (``entropy``, ``mean_token_accuracy``, ``num_tokens``, ``aux_loss``) come from the op's detached stats.
     Evaluation without ``compute_metrics`` never builds the logits.
 
