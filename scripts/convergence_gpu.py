@@ -1,0 +1,212 @@
+"""bf16 convergence on a GPU: stock bf16 and hf_flce bf16 against a stock fp32 run (the ground truth).
+
+For each model, three runs start from the same weights and see the same batches: stock transformers in fp32
+(TF32 off), stock under bf16 autocast and ``apply_flce`` under bf16 autocast (fp32 master weights, as
+``Trainer(bf16=True)``). The check (``TOLERANCES["bf16-gpu"]`` in ``tests/convergence_utils.py``): ours' distance
+to the fp32 run is at most stock bf16's, for the loss curve (mean relative difference over steps) and for the final
+parameters (relative L2 distance), and ours' mean loss distance stays under a sanity bound. Distances of held-out
+log-probs and the time per step are reported too.
+
+Data: a synthetic language over the whole vocabulary, generated here: Zipf-distributed tokens, half of which
+always have the same successor (near-deterministic targets, where bf16 logits lose most), variable lengths with
+right padding, the first quarter of each row masked as a prompt, two micro-batches accumulated per step.
+
+Usage (from the repository root, ``make test-convergence-gpu``)::
+
+    python scripts/convergence_gpu.py --out outputs/convergence/gpu   # ~2-3 min on one H100
+    python scripts/convergence_gpu.py --models llama-32k --steps 50   # a shorter run
+    python scripts/convergence_gpu.py --device cpu --preset smoke     # CPU smoke test of the script itself
+
+Writes ``<out>/gpu.json`` (curves and summary; ``scripts/convergence_report.py`` plots it); exits 1 on a failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))
+
+from convergence_utils import (  # noqa: E402
+    IGNORE_INDEX,
+    TOLERANCES,
+    Batch,
+    build_model,
+    eval_logprobs,
+    loss_curve_distance,
+    parameter_distance,
+    train,
+    write_suite,
+)
+
+from hf_flce import apply_flce  # noqa: E402
+
+TOL = TOLERANCES["bf16-gpu"]
+# Run lengths of each preset (the command line overrides them): 200 steps of 2 x 8 x 512 = 8192 tokens.
+RUNS = {"default": dict(steps=200, seq=512, micro_batch=8), "smoke": dict(steps=5, seq=32, micro_batch=4)}
+# name -> (family, model settings). 4 layers, realistic vocabularies and widths.
+PRESETS: dict[str, dict[str, tuple[str, dict]]] = {
+    "default": {
+        "llama-32k": (
+            "llama",
+            dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_layers=4, num_attention_heads=12,
+                 num_key_value_heads=4),
+        ),
+        "qwen3-152k-tied": (
+            "qwen3",
+            dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_layers=4, num_attention_heads=16,
+                 num_key_value_heads=8, head_dim=64, tie_word_embeddings=True),
+        ),
+    },
+    "smoke": {
+        "llama-smoke": ("llama", dict(vocab_size=2048, hidden_size=64, num_layers=2)),
+        "qwen3-smoke-tied": ("qwen3", dict(vocab_size=4096, hidden_size=64, num_layers=2, tie_word_embeddings=True)),
+    },
+}  # fmt: skip
+
+
+def synthetic_rows(vocab: int, rows: int, seq: int, seed: int) -> Batch:
+    """``rows`` right-padded rows of a synthetic language over ``vocab`` (see the module docstring)."""
+    gen = torch.Generator().manual_seed(seed)
+    zipf = torch.arange(1, vocab + 1, dtype=torch.float64).pow(-1.1)
+    frequent = torch.randperm(vocab, generator=gen)  # which ids are frequent: spread over the vocabulary
+    successor = torch.randint(vocab, (vocab,), generator=gen)
+    fixed = torch.rand(vocab, generator=gen) < 0.5
+    draws = frequent[torch.multinomial(zipf.float(), rows * seq, replacement=True, generator=gen)].view(rows, seq)
+    ids = draws.clone()
+    for t in range(1, seq):
+        prev = ids[:, t - 1]
+        ids[:, t] = torch.where(fixed[prev], successor[prev], draws[:, t])
+    lengths = torch.randint(seq // 2, seq + 1, (rows,), generator=gen)
+    position = torch.arange(seq)
+    attention = position < lengths[:, None]
+    labels = torch.where(attention & (position >= lengths[:, None] // 4), ids, IGNORE_INDEX)
+    return {"input_ids": torch.where(attention, ids, 0), "attention_mask": attention.long(), "labels": labels}
+
+
+def make_steps(vocab: int, steps: int, accum: int, micro: int, seq: int) -> tuple[list[list[Batch]], Batch]:
+    """``steps`` optimizer steps of ``accum`` micro-batches, and a held-out batch of ``micro`` rows."""
+    data = synthetic_rows(vocab, (steps * accum + 1) * micro, seq, seed=0)
+    micro_batches = [{k: v[i : i + micro] for k, v in data.items()} for i in range(0, steps * accum * micro, micro)]
+    held_out = {k: v[-micro:] for k, v in data.items()}
+    return [micro_batches[i : i + accum] for i in range(0, len(micro_batches), accum)], held_out
+
+
+def run_model(name: str, family: str, settings: dict, args: argparse.Namespace) -> dict:
+    device = torch.device(args.device)
+    vocab = settings["vocab_size"]
+    started = time.perf_counter()
+    steps, held_out = make_steps(vocab, args.steps, args.accum, args.micro_batch, args.seq)
+    base = build_model(family, **settings)
+    print(f"[{name}] {sum(p.numel() for p in base.parameters()) / 1e6:.0f}M parameters, data in "
+          f"{time.perf_counter() - started:.1f}s", flush=True)  # fmt: skip
+    runs, logprobs = {}, {}
+    variants = (("fp32", None, False), ("stock", torch.bfloat16, False), ("ours", torch.bfloat16, True))
+    for label, dtype, fused in variants:
+        model = copy.deepcopy(base).to(device)
+        if fused:
+            apply_flce(model)
+        runs[label] = train(model, steps, lr=args.lr, autocast=dtype)
+        logprobs[label] = eval_logprobs(model, held_out)  # fp32 eval: the weights' quality, not the eval's dtype
+        print(f"[{name}] {label}: final loss {runs[label].losses[-1]:.4f}, "
+              f"{1e3 * runs[label].seconds_per_step:.0f} ms/step, peak {runs[label].peak_gib:.1f} GiB", flush=True)  # fmt: skip
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    truth = runs["fp32"]
+    mask = held_out["labels"][:, 1:] != IGNORE_INDEX
+    distance = {
+        "loss_curve": {k: loss_curve_distance(runs[k].losses, truth.losses) for k in ("stock", "ours")},
+        "final_params": {k: parameter_distance(runs[k].final, truth.final) for k in ("stock", "ours")},
+        "eval_logprobs_mean_abs": {
+            k: float((logprobs[k] - logprobs["fp32"]).abs()[mask].mean()) for k in ("stock", "ours")
+        },
+    }
+    problems = []
+    for key in ("loss_curve", "final_params"):
+        ours, stock = distance[key]["ours"], distance[key]["stock"]
+        if not ours <= TOL.max_distance_ratio * stock:
+            problems.append(
+                f"{key}: ours' distance to fp32 {ours:.4g} > {TOL.max_distance_ratio:g} x stock's {stock:.4g}"
+            )
+    if not distance["loss_curve"]["ours"] <= TOL.max_loss_distance:
+        problems.append(f"loss_curve: ours' mean relative distance to fp32 exceeds {TOL.max_loss_distance:g}")
+    return {
+        "name": name,
+        "reference": "fp32",
+        "config": {"family": family, **settings},
+        "curves": {k: r.losses for k, r in runs.items()},
+        "grad_norms": {k: r.grad_norms for k, r in runs.items()},
+        "summary": {
+            "distance_to_fp32": distance,
+            "ratio_ours_to_stock": {k: v["ours"] / v["stock"] if v["stock"] else None for k, v in distance.items()},
+            "ms_per_step": {k: 1e3 * r.seconds_per_step for k, r in runs.items()},
+            "peak_gib": {k: r.peak_gib for k, r in runs.items()},
+            "tokens_per_step": args.accum * args.micro_batch * args.seq,
+            "seconds": time.perf_counter() - started,
+        },
+        "passed": not problems,
+        "problems": problems,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="outputs/convergence/gpu")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="default")
+    parser.add_argument("--models", help="comma-separated subset of the preset's models")
+    parser.add_argument("--steps", type=int, help="optimizer steps (default: 200; smoke: 5)")
+    parser.add_argument("--seq", type=int, help="row length in tokens (default: 512; smoke: 32)")
+    parser.add_argument("--micro-batch", type=int, help="rows per micro-batch (default: 8; smoke: 4)")
+    parser.add_argument("--accum", type=int, default=2)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--device", default="cuda")
+    args = parser.parse_args(argv)
+    for key, value in RUNS[args.preset].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    # The fp32 run is the ground truth: no TF32 anywhere.
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    started = time.perf_counter()
+    models = PRESETS[args.preset]
+    names = args.models.split(",") if args.models else list(models)
+    unknown = set(names) - set(models)
+    if unknown:
+        parser.error(f"unknown models {sorted(unknown)}; the preset has {sorted(models)}")
+
+    records = [run_model(name, *models[name], args) for name in names]
+    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device
+    import transformers
+
+    path = write_suite(
+        Path(args.out) / "gpu.json",
+        "bf16-gpu",
+        records,
+        device=device,
+        versions={"torch": torch.__version__, "transformers": transformers.__version__},
+        settings=vars(args),
+        tolerance=TOL.__dict__,
+    )
+    print(f"\n{'model':<18} {'distance to fp32':<18} {'stock bf16':>12} {'ours bf16':>12} {'ratio':>7}")
+    for record in records:
+        for key, values in record["summary"]["distance_to_fp32"].items():
+            ratio = record["summary"]["ratio_ours_to_stock"][key]
+            shown = "—" if ratio is None else f"{ratio:.3f}"
+            print(f"{record['name']:<18} {key:<18} {values['stock']:>12.4g} {values['ours']:>12.4g} {shown:>7}")
+        for problem in record["problems"]:
+            print(f"FAILED {record['name']}: {problem}")
+    print(f"wrote {path} in {time.perf_counter() - started:.0f}s")
+    return 0 if all(r["passed"] for r in records) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
