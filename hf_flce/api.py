@@ -11,7 +11,7 @@ from torch import nn
 from .backends import resolve_backend
 from .backends.base import TileParams
 from .engine import CallPlan, FusedLinearCrossEntropyFunction
-from .options import FLCEOptions, check_tensors
+from .options import FLCEOptions, check_num_items, check_tensors
 
 
 @dataclass
@@ -122,20 +122,7 @@ def fused_linear_cross_entropy(
             "prob_weighted=True needs a scalar reduction ('mean', 'sum' or num_items_in_batch); with reduction='none' "
             "weight the per-token loss yourself with stats.logprobs.exp().detach()"
         )
-    if num_items_in_batch is not None:
-        if reduction != "mean":
-            raise ValueError(
-                f"num_items_in_batch gives sum / num_items_in_batch and replaces the reduction; "
-                f"it cannot be combined with reduction={reduction!r}"
-            )
-        if isinstance(num_items_in_batch, bool) or not isinstance(num_items_in_batch, (int, float, torch.Tensor)):
-            raise TypeError(
-                f"num_items_in_batch must be an int, float or 0-d tensor, got {type(num_items_in_batch).__name__}"
-            )
-        if isinstance(num_items_in_batch, torch.Tensor) and num_items_in_batch.numel() != 1:
-            raise ValueError(f"num_items_in_batch must be a single number, got shape {tuple(num_items_in_batch.shape)}")
-        if not isinstance(num_items_in_batch, torch.Tensor) and num_items_in_batch < 0:
-            raise ValueError(f"num_items_in_batch must be >= 0, got {num_items_in_batch}")
+    check_num_items(num_items_in_batch, reduction)
 
     compute_dtype = None
     if isinstance(hidden, torch.Tensor) and torch.is_autocast_enabled(hidden.device.type):

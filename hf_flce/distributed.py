@@ -41,7 +41,7 @@ from .api import FLCEStats, _denominator, fused_linear_cross_entropy
 from .backends.base import TileParams
 from .backends.torch_tiles import TorchTileOps
 from .engine import _chunks, _GradBuffers, _scatter_rows, check_target_range, compute_logits
-from .options import FLCEOptions, check_tensors
+from .options import FLCEOptions, check_num_items, check_tensors
 
 try:
     from torch.distributed.tensor import DTensor, Shard
@@ -241,7 +241,7 @@ class _VocabParallelFunction(torch.autograd.Function):
         xs = x.index_select(0, rows)
         chunk = max(n_valid, 1) if kept is not None else max(1, plan.budget // (weight.shape[0] * _BYTES_PER_LOGIT))
         need = ctx.needs_input_grad[:3]
-        grads = _GradBuffers(xs, weight, bias, -(-n_valid // chunk), *need)
+        grads = _GradBuffers(n_valid, xs.dtype, weight, weight.dtype, -(-n_valid // chunk), *need)
         for start, end in _chunks(n_valid, chunk):
             sl = slice(start, end)
             logits = kept if kept is not None else compute_logits(xs[sl], weight, bias)
@@ -319,8 +319,7 @@ def vocab_parallel_linear_cross_entropy(
         temperature=temperature,
         memory_budget=memory_budget,
     )
-    if num_items_in_batch is not None and reduction != "mean":
-        raise ValueError(f"num_items_in_batch replaces the reduction; it cannot be combined with {reduction!r}")
+    check_num_items(num_items_in_batch, reduction)
     if not dist.is_initialized():
         raise RuntimeError("vocab_parallel_linear_cross_entropy needs torch.distributed to be initialised")
     if torch.is_autocast_enabled(hidden.device.type):

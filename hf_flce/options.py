@@ -143,3 +143,22 @@ def check_tensors(
     if len(set(devices.values())) > 1:
         listed = ", ".join(f"{k} on {v}" for k, v in devices.items())
         raise ValueError(f"device mismatch: {listed}; move them to one device")
+
+
+def check_num_items(num_items_in_batch: object, reduction: str) -> None:
+    """HF's gradient-accumulation count: a non-negative number (or 0-d tensor), only with ``reduction="mean"``."""
+    if num_items_in_batch is None:
+        return
+    if reduction != "mean":
+        raise ValueError(
+            "num_items_in_batch gives sum / num_items_in_batch and replaces the reduction; "
+            f"it cannot be combined with reduction={reduction!r}"
+        )
+    if isinstance(num_items_in_batch, bool) or not isinstance(num_items_in_batch, (int, float, torch.Tensor)):
+        raise TypeError(
+            f"num_items_in_batch must be an int, float or 0-d tensor, got {type(num_items_in_batch).__name__}"
+        )
+    if isinstance(num_items_in_batch, torch.Tensor) and num_items_in_batch.numel() != 1:
+        raise ValueError(f"num_items_in_batch must be a single number, got shape {tuple(num_items_in_batch.shape)}")
+    if not isinstance(num_items_in_batch, torch.Tensor) and num_items_in_batch < 0:
+        raise ValueError(f"num_items_in_batch must be >= 0, got {num_items_in_batch}")
