@@ -46,6 +46,21 @@ def _load_dataset(script_args, dataset_args):
     raise ValueError("Either `datasets` or `dataset_name` must be provided.")
 
 
+def _check_columns(command: str, dataset, training_args) -> None:
+    """A readable error for a dataset without the columns TRL needs (TRL fails deep in tokenization instead)."""
+    columns = getattr(dataset, "column_names", None)
+    if columns is None or (getattr(training_args, "dataset_kwargs", None) or {}).get("skip_prepare_dataset"):
+        return  # unknown until iterated (streaming), or prepared by the caller
+    if command == "sft":
+        text = training_args.dataset_text_field
+        accepted = [("messages",), ("conversations",), ("prompt", "completion"), (text,), ("input_ids",)]
+    else:
+        accepted = [("chosen", "rejected")]
+    if not any(set(names) <= set(columns) for names in accepted):
+        wanted = " or ".join(" and ".join(repr(n) for n in names) for names in accepted)
+        raise ValueError(f"hf-flce {command}: the training dataset has columns {columns}; it needs {wanted}")
+
+
 def train(
     command: str,
     script_args,
@@ -78,6 +93,7 @@ def train(
     if dataset is None:
         dataset = _load_dataset(script_args, dataset_args)
 
+    _check_columns(command, dataset[script_args.dataset_train_split], training_args)
     if trainer_cls is None:
         trainer_cls = FLCESFTTrainer if command == "sft" else FLCEDPOTrainer
     trainer = trainer_cls(

@@ -436,10 +436,12 @@ def _linear_ce(hidden, weight, target, bias, options: dict):
         out = vocab_parallel_linear_cross_entropy(
             hidden.to(weight.device), weight, target.to(weight.device), bias, process_group=group, **vp_options
         )
-    if not options.get("return_stats"):
-        return (out,)
-    loss, stats = out
-    return (loss, *(getattr(stats, f.name) for f in fields(stats)))
+    outputs = (
+        (out,) if not options.get("return_stats") else (out[0], *(getattr(out[1], f.name) for f in fields(out[1])))
+    )
+    # FSDP2 skips its pre-backward hook for a module output that is a view (and warns): return per-token vectors
+    # (a few bytes per token) as their own tensors.
+    return tuple(t.clone() if t._base is not None else t for t in outputs)
 
 
 def head_linear_cross_entropy(
