@@ -27,7 +27,7 @@ class TorchTileOps:
         row_max = t.amax(dim=1, keepdim=True)
         # Rows of -inf (or NaN) propagate as stock does; keep finite rows exact.
         row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
-        p = torch.exp(t - row_max)
+        p = (t - row_max).exp_()
         sum_exp = p.sum(dim=1)
         lse = row_max.squeeze(1) + torch.log(sum_exp)
         p /= sum_exp[:, None]
