@@ -32,7 +32,9 @@ class FLCEStats:
     log_sum_sq_probs: torch.Tensor
 
 
-def _denominator(target, valid_rows_weight, opts: FLCEOptions, num_items_in_batch, device) -> torch.Tensor | None:
+def loss_denominator(valid_rows_weight, opts: FLCEOptions, num_items_in_batch, device) -> torch.Tensor | None:
+    """The scalar loss is ``sum / denominator``: num_items_in_batch, 1 for ``sum``, the (class-weighted) count of
+    non-ignored targets for ``mean``; None for ``reduction="none"``."""
     if num_items_in_batch is not None:
         den = torch.as_tensor(num_items_in_batch, device=device).to(torch.float32).reshape(())
     elif opts.reduction == "sum":
@@ -160,7 +162,7 @@ def fused_linear_cross_entropy(
         tiles=tiles,
         params=params,
         reduction="none" if reduction == "none" and num_items_in_batch is None else "scalar",
-        denominator=_denominator(y, valid_weight, opts, num_items_in_batch, x.device),
+        denominator=loss_denominator(valid_weight, opts, num_items_in_batch, x.device),
         budget=opts.budget_bytes(x.device),
         grad_mode=torch.is_grad_enabled(),
         compute_dtype=compute_dtype,

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .api import FLCEStats, _denominator, fused_linear_cross_entropy
+from .api import FLCEStats, fused_linear_cross_entropy, loss_denominator
 from .backends.base import TileParams
 from .backends.torch_tiles import TorchTileOps
 from .engine import _chunks, _GradBuffers, _scatter_rows, check_target_range, compute_logits
@@ -351,7 +351,7 @@ def vocab_parallel_linear_cross_entropy(
         vocab_start=int(vocab_start),
         params=params,
         reduction="none" if reduction == "none" and num_items_in_batch is None else "scalar",
-        denominator=_denominator(y, valid_count, opts, num_items_in_batch, x.device),
+        denominator=loss_denominator(valid_count, opts, num_items_in_batch, x.device),
         budget=opts.budget_bytes(x.device),
         grad_mode=torch.is_grad_enabled(),
         need_top1=return_stats,

@@ -54,11 +54,6 @@ class FLCEOptions:
             if self.memory_budget <= 0:
                 raise ValueError(f"memory_budget must be > 0 bytes, got {self.memory_budget}")
 
-    @property
-    def plain(self) -> bool:
-        """Vanilla cross-entropy: no smoothing, z-loss, softcap or temperature (the fast path)."""
-        return self.label_smoothing == 0.0 and self.z_loss == 0.0 and self.softcap is None and self.temperature == 1.0
-
     def budget_bytes(self, device: torch.device) -> int:
         if self.memory_budget is not None:
             return self.memory_budget

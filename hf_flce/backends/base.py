@@ -38,16 +38,6 @@ class TileParams:
     class_weight: torch.Tensor | None  # float32 [V]
     class_weight_sum: torch.Tensor | None  # float32 0-d, sum of class_weight
 
-    @property
-    def plain(self) -> bool:
-        return (
-            self.label_smoothing == 0.0
-            and self.z_loss == 0.0
-            and self.softcap is None
-            and self.inv_temperature == 1.0
-            and self.class_weight is None
-        )
-
 
 @dataclass
 class TileStats:
