@@ -123,10 +123,16 @@ def _chunks(n: int, size: int):
 
 class _GradBuffers:
     """dX rows, fp32-accumulated dW (written once when there is a single chunk) and db for one gradient pass.
-    ``weight`` is the GEMM operand; the gradients come out in ``x_dtype`` and ``weight_dtype``."""
+    ``weight`` is the GEMM operand; the gradients come out in ``x_dtype`` and ``weight_dtype``. With ``rows`` (the
+    kept rows of a compacted batch of ``n_rows`` rows) each chunk's dX rows are scattered straight into the full
+    dX, zero at the dropped rows, so no second ``[N, H]`` buffer is ever made."""
 
-    def __init__(self, n_rows, x_dtype, weight, weight_dtype, n_chunks, need_dx, need_dw, need_db):
-        self.dx = torch.empty((n_rows, weight.shape[1]), dtype=x_dtype, device=weight.device) if need_dx else None
+    def __init__(self, n_rows, x_dtype, weight, weight_dtype, n_chunks, need_dx, need_dw, need_db, rows=None):
+        self.dx = None
+        if need_dx:
+            alloc = torch.empty if rows is None else torch.zeros
+            self.dx = alloc((n_rows, weight.shape[1]), dtype=x_dtype, device=weight.device)
+        self.rows = rows
         self.single = n_chunks == 1
         self.dw = None
         self.need_dw = need_dw
@@ -136,7 +142,11 @@ class _GradBuffers:
 
     def add(self, start, end, grad_logits, x_chunk):
         if self.dx is not None:
-            if self.dx.dtype == grad_logits.dtype:
+            if self.rows is not None:
+                same = self.dx.dtype == grad_logits.dtype
+                dx_rows = torch.mm(grad_logits, self.weight) if same else mm_fp32(grad_logits, self.weight)
+                self.dx.index_copy_(0, self.rows[start:end], dx_rows.to(self.dx.dtype))
+            elif self.dx.dtype == grad_logits.dtype:
                 torch.mm(grad_logits, self.weight, out=self.dx[start:end])
             else:
                 self.dx[start:end] = mm_fp32(grad_logits, self.weight)
@@ -151,25 +161,48 @@ class _GradBuffers:
             self.db += grad_logits.sum(0, dtype=torch.float32)
 
     def finish(self, scale: torch.Tensor | None = None):
-        """dX, dW (in the weight's dtype) and db, each times ``scale`` (float32 0-d) when given. Scaling and the
-        float32 -> weight dtype cast of dW happen in one pass, with the scale kept in float32."""
+        """dX, dW (in the weight's dtype) and db, each times ``scale`` (float32 0-d) when given. The buffers are
+        handed out, so they are scaled in place (no second copy of dX, which grows with N); the float32 -> weight
+        dtype cast of a dW accumulator and its scaling are one pass. The scale is read in float32 either way."""
         dx, dw, db = self.dx, None, self.db
         if self.need_dw:
             out = dict(dtype=self.weight_dtype, device=self.weight.device)
             if self.dw is None:
                 dw = torch.zeros(self.weight.shape, **out)
+            elif self.dw.dtype == self.weight_dtype:
+                dw = self.dw if scale is None else self.dw.mul_(scale)
             elif scale is None:
                 dw = self.dw.to(self.weight_dtype)
             else:
                 dw = torch.mul(self.dw, scale, out=torch.empty(self.weight.shape, **out))
         if scale is not None:
-            dx = None if dx is None else dx * scale
-            db = None if db is None else db * scale
+            dx = None if dx is None else dx.mul_(scale)
+            db = None if db is None else db.mul_(scale)
+        self.dx = self.dw = self.db = None
         return dx, dw, db
 
 
-def _grad_buffer(logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return logits if dtype == torch.float32 else torch.empty(logits.shape, dtype=dtype, device=logits.device)
+def _grad_buffer(logits: torch.Tensor, dtype: torch.dtype, tiles: TileOps) -> torch.Tensor:
+    """Where the tile pass writes the logits gradient: over the float32 logits themselves, or for a 16-bit gradient
+    over the second half of each float32 row when the backend allows it (the GEMMs read it with a row stride of 2V),
+    else a new buffer."""
+    if dtype == torch.float32:
+        return logits
+    if getattr(tiles, "grad_in_row_tail", False):
+        return logits.view(dtype)[:, logits.shape[1] :]
+    return torch.empty(logits.shape, dtype=dtype, device=logits.device)
+
+
+def _bytes_per_logit(plan: CallPlan, grad_dtype: torch.dtype | None) -> int:
+    """Chunk bytes per logit: float32 logits, backend scratch, and a separate 16-bit gradient if one is needed."""
+    separate_grad = grad_dtype not in (None, torch.float32) and not getattr(plan.tiles, "grad_in_row_tail", False)
+    return 4 + plan.tiles.scratch_bytes_per_logit + (grad_dtype.itemsize if separate_grad else 0)
+
+
+def _chunk_rows(x: torch.Tensor, rows: torch.Tensor | None, start: int, end: int, plan: CallPlan) -> torch.Tensor:
+    """Rows ``start:end`` of the compacted batch as a GEMM operand, gathered one chunk at a time (never a compacted
+    copy of all of ``x``, which would grow with N)."""
+    return compute_operand(x[start:end] if rows is None else x.index_select(0, rows[start:end]), plan)
 
 
 def _scatter_rows(values: torch.Tensor, rows: torch.Tensor | None, n: int) -> torch.Tensor:
@@ -189,19 +222,18 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         check_target_range(target, vocab, plan.params.ignore_index)
 
         rows = None
-        xs, ys = x, target
+        ys = target
         if _can_compact():
             rows = (target != plan.params.ignore_index).nonzero().squeeze(1)
             if rows.numel() != n:
-                xs, ys = x.index_select(0, rows), target.index_select(0, rows)
+                ys = target.index_select(0, rows)
             else:
                 rows = None
-        n_valid = xs.shape[0]
-        xs_c, w_c = compute_operand(xs, plan), compute_operand(weight, plan)
+        n_valid = ys.shape[0]
+        w_c = compute_operand(weight, plan)
 
         eager = need_grad and plan.reduction == "scalar"
-        grad_bytes = xs_c.element_size() if (eager and xs_c.dtype != torch.float32) else 0
-        per_logit = 4 + plan.tiles.scratch_bytes_per_logit + grad_bytes
+        per_logit = _bytes_per_logit(plan, (plan.compute_dtype or x.dtype) if eager else None)
         chunk = plan_chunk_rows(n_valid, vocab, x.shape[1], per_logit, plan.budget, eager and need_dw)
         n_chunks = max(1, -(-n_valid // chunk))
         keep_logits = need_grad and not eager and n_valid > 0 and n_valid * vocab * 4 <= _keep_limit(plan, x.device)
@@ -216,17 +248,29 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         mean_v = torch.empty(n_valid, **f32)
         top1_v = torch.empty(n_valid, dtype=torch.bool, device=x.device)
         lssp_v = torch.empty(n_valid, **f32)
+        prob_v = torch.empty(n_valid, **f32) if plan.prob_weighted else None
 
         grads = None
         if eager:
-            grads = _GradBuffers(n_valid, x.dtype, w_c, weight.dtype, n_chunks, need_dx, need_dw, need_db)
+            grads = _GradBuffers(
+                n if rows is not None else n_valid,
+                x.dtype,
+                w_c,
+                weight.dtype,
+                n_chunks,
+                need_dx,
+                need_dw,
+                need_db,
+                rows,
+            )
         grad_scale = None
         if eager:
             grad_scale = (1.0 / plan.denominator).to(torch.float32).expand(min(chunk, max(n_valid, 1)))
         kept = None
         for start, end in _chunks(n_valid, chunk):
-            logits = compute_logits(xs_c[start:end], w_c, bias)
-            grad_out = _grad_buffer(logits, xs_c.dtype) if eager else None
+            x_chunk = _chunk_rows(x, rows, start, end, plan)
+            logits = compute_logits(x_chunk, w_c, bias)
+            grad_out = _grad_buffer(logits, x_chunk.dtype, plan.tiles) if eager else None
             scale = None if grad_scale is None else grad_scale[: end - start]
             if plan.prob_weighted:
                 # DFT: loss_i * p_y (detached). Its gradient is the CE gradient scaled per row by p_y, which the
@@ -234,6 +278,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
                 stats = plan.tiles.forward(logits, ys[start:end], plan.params)
                 prob = torch.exp(stats.logprob)
                 stats.loss = stats.loss * prob
+                prob_v[start:end] = prob
                 if eager:
                     plan.tiles.backward(
                         logits, ys[start:end], stats.lse, stats.entropy, plan.params, scale * prob, None, None, grad_out
@@ -248,7 +293,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             top1_v[start:end] = stats.is_top1
             lssp_v[start:end] = stats.log_sum_sq_probs
             if eager:
-                grads.add(start, end, grad_out, xs_c[start:end])
+                grads.add(start, end, grad_out, x_chunk)
             elif keep_logits:
                 kept = logits
 
@@ -266,6 +311,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         if need_grad:
             # Eager gradients wait for the upstream scalar; dW stays in its float32 accumulator until then.
             ctx.eager_grads = grads if eager else None
+            ctx.row_prob = prob_v
             ctx.save_for_backward(x, weight, bias, target, rows, lse_v, ent_v)
             # Kept logits are overwritten by the first backward, so they live on ctx (not version-checked) and are
             # dropped once used: a second backward (retain_graph) recomputes them.
@@ -281,11 +327,17 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         kept, ctx.kept = ctx.kept, None
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         dx = dw = db = None
-        if ctx.eager and g_loss is not None:
-            dx, dw, db = ctx.eager_grads.finish(g_loss.to(torch.float32))
-            if dx is not None:
-                dx = _scatter_rows(dx, rows, ctx.n)
         per_token_loss = None if ctx.eager else g_loss
+        eager_grads, ctx.eager_grads = ctx.eager_grads, None
+        if ctx.eager and g_loss is not None:
+            if eager_grads is not None:
+                dx, dw, db = eager_grads.finish(g_loss.to(torch.float32))
+            else:
+                # A second backward (retain_graph): the eager buffers were handed out, so recompute, with the
+                # scalar's gradient spread over the rows.
+                per_token_loss = (g_loss.to(torch.float32) / plan.denominator).expand(ctx.n)
+                if plan.prob_weighted:
+                    per_token_loss = per_token_loss * _scatter_rows(ctx.row_prob, rows, ctx.n)
         if per_token_loss is not None or g_logp is not None or g_ent is not None:
             pdx, pdw, pdb = _recompute_grads(
                 x,
@@ -324,21 +376,21 @@ def _recompute_grads(
         t = t.reshape(-1).to(torch.float32)
         return t if rows is None else t.index_select(0, rows)
 
-    xs = x if rows is None else x.index_select(0, rows)
     ys = target if rows is None else target.index_select(0, rows)
     gl, glp, ge = compact(g_loss), compact(g_logp), compact(g_ent)
-    n_valid = xs.shape[0]
-    xs_c, w_c = compute_operand(xs, plan), compute_operand(weight, plan)
-    grad_bytes = xs_c.element_size() if xs_c.dtype != torch.float32 else 0
-    per_logit = 4 + plan.tiles.scratch_bytes_per_logit + grad_bytes
+    n_valid = ys.shape[0]
+    w_c = compute_operand(weight, plan)
+    per_logit = _bytes_per_logit(plan, plan.compute_dtype or x.dtype)
     chunk = plan_chunk_rows(n_valid, weight.shape[0], x.shape[1], per_logit, plan.budget, need_dw)
     if kept is not None:
         chunk = max(n_valid, 1)
     n_chunks = max(1, -(-n_valid // chunk))
-    grads = _GradBuffers(n_valid, x.dtype, w_c, weight.dtype, n_chunks, need_dx, need_dw, need_db)
+    n_dx = n if rows is not None else n_valid
+    grads = _GradBuffers(n_dx, x.dtype, w_c, weight.dtype, n_chunks, need_dx, need_dw, need_db, rows)
     for start, end in _chunks(n_valid, chunk):
-        logits = kept if kept is not None else compute_logits(xs_c[start:end], w_c, bias)
-        grad_out = _grad_buffer(logits, xs_c.dtype)
+        x_chunk = _chunk_rows(x, rows, start, end, plan)
+        logits = kept if kept is not None else compute_logits(x_chunk, w_c, bias)
+        grad_out = _grad_buffer(logits, x_chunk.dtype, plan.tiles)
         sl = slice(start, end)
         plan.tiles.backward(
             logits,
@@ -351,8 +403,6 @@ def _recompute_grads(
             None if ge is None else ge[sl],
             grad_out,
         )
-        grads.add(start, end, grad_out, xs_c[sl])
+        grads.add(start, end, grad_out, x_chunk)
     dx, dw, db = grads.finish()
-    if dx is not None:
-        dx = _scatter_rows(dx, rows, n)
     return dx, dw, db

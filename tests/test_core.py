@@ -258,6 +258,20 @@ def test_retain_graph_second_backward_is_exact():
     torch.testing.assert_close(first, second)
 
 
+@pytest.mark.parametrize("prob_weighted", [False, True], ids=["ce", "dft"])
+def test_retain_graph_second_backward_of_a_scalar_loss(prob_weighted):
+    # The scalar path hands its forward-computed gradients to the first backward (scaled in place); a second backward
+    # recomputes them from the saved statistics.
+    x, w, y, b = _problem(bias=True)
+    leaves = [t.requires_grad_() for t in (x, w, b)]
+    loss = hf_flce.fused_linear_cross_entropy(x, w, y, b, label_smoothing=0.1, prob_weighted=prob_weighted)
+    g = torch.tensor(0.37)
+    first = torch.autograd.grad(loss, leaves, g, retain_graph=True)
+    second = torch.autograd.grad(loss, leaves, g)
+    for a, c in zip(first, second):
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-7)
+
+
 # ---------------------------------------------------------------------------------------------- bad input
 def _bad(match, exc=ValueError, **overrides):
     args = dict(hidden=torch.randn(4, 8), weight=torch.randn(10, 8), target=torch.randint(0, 10, (4,)))

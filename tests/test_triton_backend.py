@@ -241,21 +241,26 @@ TILE_CASES = [(), ("smoothing", "class_weight", "z_loss"), ("softcap", "temperat
 
 
 @pytest.mark.parametrize("names", TILE_CASES, ids=lambda c: "+".join(c) or "plain")
-@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, "in-place"], ids=["fp32", "bf16", "in-place"])
+@pytest.mark.parametrize(
+    "grad_dtype", [torch.float32, torch.bfloat16, "in-place", "row-tail"], ids=["fp32", "bf16", "in-place", "row-tail"]
+)
 def test_tiles_match_float64(names, grad_dtype):
     rows, v = 8, 257
     logits, target = random_logits(rows, v)
     cw = (torch.rand(v, generator=torch.Generator().manual_seed(3)) + 0.5).to(DEVICE)
     params = tile_params(v, names, cw)
     tiles = TritonTileOps(block=SMALL_BLOCK)
-    in_place = grad_dtype == "in-place"
-    dtype = torch.float32 if in_place else grad_dtype
+    # "row-tail": a bf16 gradient over the second half of each float32 row's bytes (odd V: not element-aligned)
+    in_place, row_tail = grad_dtype == "in-place", grad_dtype == "row-tail"
+    dtype = torch.float32 if in_place else torch.bfloat16 if row_tail else grad_dtype
     grad_tol = 2e-6 if dtype == torch.float32 else 1e-2
     grad_scale = torch.rand(rows, device=DEVICE)
     ref, ref_grad, ref_backward = float64_tiles(logits, target, params, grad_scale)
 
     def fresh_grad():
         work = logits.clone()
+        if row_tail:
+            return work, work.view(torch.bfloat16)[:, v:]
         return work, (work if in_place else torch.empty(rows, v, dtype=dtype, device=DEVICE))
 
     work, grad = fresh_grad()

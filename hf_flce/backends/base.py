@@ -58,6 +58,8 @@ class TileOps(Protocol):
     scratch_bytes_per_logit: int
     # Optional: ``keep_logits_limit(device) -> int``, bytes of float32 logits the per-token path may keep from
     # forward to backward (default: the chunk budget).
+    # Optional: ``grad_in_row_tail = True`` when ``grad_out`` may be a 16-bit view of the second half of each float32
+    # logits row (``logits.view(bf16)[:, V:]``): the pass must then read each element before writing over it.
 
     def forward(
         self,

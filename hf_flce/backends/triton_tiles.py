@@ -1,7 +1,8 @@
 """Triton tile passes: one program per row of logits, looping over the vocabulary in blocks.
 
 Forward reads each float32 row once for every statistic (online softmax) and, when the gradient is wanted, once more
-to write it; backward reads each row once. Options switch code on through ``tl.constexpr`` flags, so vanilla
+to write it; backward reads each row once. A 16-bit gradient can be written over the row's own bytes, so a chunk
+costs 4 bytes per logit in all. Options switch code on through ``tl.constexpr`` flags, so vanilla
 cross-entropy compiles to the lean kernel. Runs on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1``.
 """
 
@@ -150,6 +151,7 @@ def _tile_kernel(
     HAS_SOFTCAP: tl.constexpr,
     HAS_TEMPERATURE: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
+    GRAD_OVER_ROW: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """One row. STATS (forward): computes and stores the row's statistics, else (backward) reads its lse and
@@ -241,15 +243,18 @@ def _tile_kernel(
         g_row = g_ptr + row * stride_gr
         cols = tl.arange(0, BLOCK)
         n_blocks = tl.cdiv(V, BLOCK)
+        # Backwards from the row's end: in forward the tail was read last, so it is the part most likely still in
+        # L2. It also makes a 16-bit gradient written over the second half of the row's own float32 bytes safe: the
+        # block at `start` writes bytes [2V + 2 start, ...), i.e. float32 elements >= (V + start) / 2 >= start,
+        # which this program has already read (the barrier orders the warps within a block).
         for i in range(0, n_blocks):
-            if STATS:
-                # backwards: the row's tail was read last, so it is the part most likely still in L2
-                start = (n_blocks - 1 - i) * BLOCK
-            else:
-                start = i * BLOCK
+            start = (n_blocks - 1 - i) * BLOCK
             offs = start + cols
             in_row = offs < V
             z = tl.load(z_row + offs * stride_zc, mask=offs < v_read, other=0.0)
+            if GRAD_OVER_ROW:
+                # Another warp's store below may land on elements this block reads: every load first.
+                tl.debug_barrier()
             t, dt = _transform(z, inv_softcap, t_scale, inv_temperature, HAS_SOFTCAP, HAS_TEMPERATURE)
             p = tl.exp(t - lse)
             if HAS_GE:
@@ -265,6 +270,10 @@ def _tile_kernel(
             if HAS_SOFTCAP or HAS_TEMPERATURE:
                 g *= dt
             tl.store(g_row + offs * stride_gc, g.to(g_row.dtype.element_ty), mask=in_row)
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 @functools.cache
@@ -292,6 +301,8 @@ class TritonTileOps:
     name = "triton"
     # The kernels keep only per-row scalars: no [rows, V] temporaries.
     scratch_bytes_per_logit = 0
+    # A 16-bit gradient may live in the second half of each float32 logits row (see the gradient loop).
+    grad_in_row_tail = True
 
     def __init__(self, block: int | None = None, num_warps: int | None = None) -> None:
         self.block = block
@@ -374,6 +385,7 @@ class TritonTileOps:
                 HAS_SOFTCAP=softcap is not None,
                 HAS_TEMPERATURE=params.inv_temperature != 1.0,
                 HAS_WEIGHT=cw is not None,
+                GRAD_OVER_ROW=grad.dtype != logits.dtype and _same_storage(grad, logits),
                 BLOCK=block,
                 num_warps=num_warps,
             )

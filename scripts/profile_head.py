@@ -1,0 +1,185 @@
+#!/usr/bin/env python3
+"""Where hf_flce's time goes at the benchmark shapes: the numbers behind docs/PERF_NOTES.md (one GPU, bf16, ~1 min).
+
+    python3 scripts/profile_head.py --out outputs/profile          # writes profile.json, prints the tables
+
+1. ``budget``: fwd+bwd time ÷ the 3-GEMM floor, chunk count and extra memory (gradients excluded) for a sweep of
+   ``memory_budget`` (the default is 1 GiB): what bigger chunks buy.
+2. ``tiles``: the Triton forward-with-gradient pass over one chunk, writing the bf16 gradient into a separate buffer
+   or over the second half of each float32 row (the engine's default, with a barrier per block): ms and TB/s.
+3. ``kernels``: torch.profiler's CUDA time per kernel family for one fwd+bwd at the default budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import hf_flce  # noqa: E402
+from hf_flce.backends.base import TileParams  # noqa: E402
+from hf_flce.backends.triton_tiles import TritonTileOps  # noqa: E402
+from hf_flce.engine import plan_chunk_rows  # noqa: E402
+
+SHAPES = {"llama3-8b": (8192, 4096, 128256), "qwen3-0.6b": (16384, 1024, 151936), "mistral-7b": (8192, 4096, 32768)}
+BUDGETS_MIB = (256, 512, 1024, 2048, 4096)
+GiB = 1 << 30
+
+
+def timed(fn, reps: int = 5, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def inputs(n: int, h: int, v: int):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+    w = (torch.randn(v, h, device="cuda", generator=gen) * 0.02).to(torch.bfloat16).requires_grad_()
+    y = torch.randint(0, v, (n,), device="cuda", generator=gen)
+    y[::17] = -100
+    return x, w, y
+
+
+def floor_ms(n: int, h: int, v: int) -> float:
+    x = torch.randn(n, h, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(v, h, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(n, v, device="cuda", dtype=torch.bfloat16)
+    dx, dw = torch.empty_like(x), torch.empty_like(w)
+    total = timed(lambda: torch.mm(x, w.T, out=g)) + timed(lambda: torch.mm(g, w, out=dx))
+    return total + timed(lambda: torch.mm(g.T, x, out=dw))
+
+
+def budget_sweep(name: str) -> list[dict]:
+    n, h, v = SHAPES[name]
+    floor = floor_ms(n, h, v)
+    x, w, y = inputs(n, h, v)
+    rows = []
+    for mib in BUDGETS_MIB:
+        budget = mib << 20
+
+        def step(budget=budget):
+            loss = hf_flce.fused_linear_cross_entropy(x, w, y, memory_budget=budget)
+            return torch.autograd.grad(loss, (x, w))
+
+        ms = timed(step)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        grads = step()
+        extra = torch.cuda.max_memory_allocated() - base - sum(g.nbytes for g in grads)
+        del grads
+        n_valid = int((y != -100).sum())
+        chunk = plan_chunk_rows(n_valid, v, h, 4, budget, True)
+        rows.append(
+            dict(
+                shape=name,
+                budget_mib=mib,
+                ms=ms,
+                ratio=ms / floor,
+                floor_ms=floor,
+                chunks=-(-n_valid // chunk),
+                extra_minus_grads_gib=extra / GiB,
+            )
+        )
+        print(
+            f"{name:>11} budget {mib:5d} MiB: {ms:7.2f} ms = {ms / floor:.3f}x floor, {rows[-1]['chunks']:3d} chunks, "
+            f"extra-grads {extra / GiB:.2f} GiB",
+            flush=True,
+        )
+    return rows
+
+
+def tile_pass(name: str, rows: int = 2048) -> list[dict]:
+    _, _, v = SHAPES[name]
+    logits = torch.randn(rows, v, device="cuda") * 3
+    target = torch.randint(0, v, (rows,), device="cuda")
+    params = TileParams(v, -100, 0.0, 0.0, None, 1.0, None, None)
+    scale = torch.full((rows,), 1.0 / rows, device="cuda")
+    tiles = TritonTileOps()
+    separate = torch.empty(rows, v, device="cuda", dtype=torch.bfloat16)
+    work = logits.clone()
+    # the row-tail pass overwrites its input: every timed call restores it first, and the copy is timed alone
+    copy_ms = timed(lambda: work.copy_(logits), reps=10)
+    out = []
+    for mode in ("separate", "row-tail"):
+        grad = separate if mode == "separate" else work.view(torch.bfloat16)[:, v:]
+
+        def call(grad=grad):
+            work.copy_(logits)
+            tiles.forward(work, target, params, scale, grad)
+
+        ms = timed(call, reps=10) - copy_ms
+        moved = rows * v * (4 + 4 + 2)  # read for the statistics, read again and write the gradient
+        out.append(dict(shape=name, rows=rows, mode=mode, ms=ms, tb_s=moved / ms / 1e9))
+        print(f"{name:>11} tile pass {rows} rows, {mode:>8}: {ms:.3f} ms, {moved / ms / 1e9:.2f} TB/s", flush=True)
+    return out
+
+
+def kernel_breakdown(name: str) -> dict:
+    n, h, v = SHAPES[name]
+    x, w, y = inputs(n, h, v)
+
+    def step():
+        loss = hf_flce.fused_linear_cross_entropy(x, w, y)
+        return torch.autograd.grad(loss, (x, w))
+
+    step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    families: dict[str, float] = {}
+    for evt in prof.key_averages():
+        us = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0)
+        if not us:
+            continue
+        key = evt.key.lower()
+        family = (
+            "gemm"
+            if any(s in key for s in ("gemm", "cutlass", "sm90", "xmma", "nvjet"))
+            else "triton tiles"
+            if "_tile_kernel" in key
+            else "other: " + evt.key[:60]
+        )
+        families[family] = families.get(family, 0.0) + us / 1e3
+    top = dict(sorted(families.items(), key=lambda kv: -kv[1])[:12])
+    print(f"{name:>11} kernels (ms): " + ", ".join(f"{k} {t:.2f}" for k, t in top.items()), flush=True)
+    return dict(shape=name, ms_by_family=top)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="outputs/profile")
+    p.add_argument("--shapes", default="llama3-8b,qwen3-0.6b,mistral-7b")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("profile_head.py needs a CUDA GPU")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    result = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, budget=[], tiles=[], kernels=[])
+    for name in args.shapes.split(","):
+        result["budget"] += budget_sweep(name)
+        result["tiles"] += tile_pass(name)
+        result["kernels"].append(kernel_breakdown(name))
+        torch.cuda.empty_cache()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "profile.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
