@@ -160,23 +160,24 @@ class _GradBuffers:
         if self.db is not None:
             self.db += grad_logits.sum(0, dtype=torch.float32)
 
-    def finish(self, scale: torch.Tensor | None = None):
+    def finish(self, scale: torch.Tensor | None = None, scale_into=None):
         """dX, dW (in the weight's dtype) and db, each times ``scale`` (float32 0-d) when given. The buffers are
         handed out, so they are scaled in place (no second copy of dX, which grows with N); the float32 -> weight
-        dtype cast of a dW accumulator and its scaling are one pass. The scale is read in float32 either way."""
+        dtype cast of a dW accumulator and its scaling are one pass. ``scale_into(src, scale, out)`` is the
+        backend's multiply (the scale is read in float32 either way)."""
+        scale_into = scale_into or (lambda src, s, out: torch.mul(src, s, out=out))
         dx, dw, db = self.dx, None, self.db
         if self.need_dw:
             out = dict(dtype=self.weight_dtype, device=self.weight.device)
             if self.dw is None:
                 dw = torch.zeros(self.weight.shape, **out)
-            elif self.dw.dtype == self.weight_dtype:
-                dw = self.dw if scale is None else self.dw.mul_(scale)
             elif scale is None:
                 dw = self.dw.to(self.weight_dtype)
             else:
-                dw = torch.mul(self.dw, scale, out=torch.empty(self.weight.shape, **out))
+                target = self.dw if self.dw.dtype == self.weight_dtype else torch.empty(self.weight.shape, **out)
+                dw = scale_into(self.dw, scale, target)
         if scale is not None:
-            dx = None if dx is None else dx.mul_(scale)
+            dx = None if dx is None else scale_into(dx, scale, dx)
             db = None if db is None else db.mul_(scale)
         self.dx = self.dw = self.db = None
         return dx, dw, db
@@ -296,6 +297,8 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
                 grads.add(start, end, grad_out, x_chunk)
             elif keep_logits:
                 kept = logits
+            # the next chunk's logits must not be allocated while this chunk's are still referenced
+            del logits, grad_out
 
         if plan.reduction == "none":
             loss = _scatter_rows(loss_v, rows, n)
@@ -331,7 +334,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         eager_grads, ctx.eager_grads = ctx.eager_grads, None
         if ctx.eager and g_loss is not None:
             if eager_grads is not None:
-                dx, dw, db = eager_grads.finish(g_loss.to(torch.float32))
+                dx, dw, db = eager_grads.finish(g_loss.to(torch.float32), getattr(plan.tiles, "scale_into", None))
             else:
                 # A second backward (retain_graph): the eager buffers were handed out, so recompute, with the
                 # scalar's gradient spread over the rows.
@@ -404,5 +407,5 @@ def _recompute_grads(
             grad_out,
         )
         grads.add(start, end, grad_out, x_chunk)
-    dx, dw, db = grads.finish()
-    return dx, dw, db
+        del logits, grad_out
+    return grads.finish()

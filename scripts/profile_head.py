@@ -8,6 +8,8 @@
 2. ``tiles``: the Triton forward-with-gradient pass over one chunk, writing the bf16 gradient into a separate buffer
    or over the second half of each float32 row (the engine's default, with a barrier per block): ms and TB/s.
 3. ``kernels``: torch.profiler's CUDA time per kernel family for one fwd+bwd at the default budget.
+4. ``sweep``: the three tile passes (statistics, forward with gradient, backward) for several (block, num_warps) at
+   a few chunk sizes: the data behind ``launch_config``.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import hf_flce  # noqa: E402
 from hf_flce.backends.base import TileParams  # noqa: E402
-from hf_flce.backends.triton_tiles import TritonTileOps  # noqa: E402
+from hf_flce.backends.triton_tiles import TritonTileOps, launch_config  # noqa: E402
 from hf_flce.engine import plan_chunk_rows  # noqa: E402
 
 SHAPES = {"llama3-8b": (8192, 4096, 128256), "qwen3-0.6b": (16384, 1024, 151936), "mistral-7b": (8192, 4096, 32768)}
@@ -130,6 +132,50 @@ def tile_pass(name: str, rows: int = 2048) -> list[dict]:
     return out
 
 
+SWEEP_CONFIGS = ((512, 1), (512, 2), (1024, 2), (1024, 4), (2048, 4), (2048, 8), (4096, 8))
+
+
+def tile_sweep(vocab: int, rows: int) -> list[dict]:
+    """Every (block, num_warps) of SWEEP_CONFIGS for the three tile passes at one chunk size: TB/s of each."""
+    logits = torch.randn(rows, vocab, device="cuda") * 3
+    target = torch.randint(0, vocab, (rows,), device="cuda")
+    params = TileParams(vocab, -100, 0.0, 0.0, None, 1.0, None, None)
+    scale = torch.full((rows,), 1.0 / rows, device="cuda")
+    work = logits.clone()
+    grad = work.view(torch.bfloat16)[:, vocab:]
+    stats = TritonTileOps().forward(logits, target, params)
+    copy_ms = timed(lambda: work.copy_(logits), reps=10)
+    default = launch_config(vocab, rows, torch.device("cuda"))
+    out = []
+    for block, warps in SWEEP_CONFIGS:
+        tiles = TritonTileOps(block=block, num_warps=warps)
+
+        def fwd_grad(tiles=tiles):
+            work.copy_(logits)
+            tiles.forward(work, target, params, scale, grad)
+
+        def bwd(tiles=tiles):
+            work.copy_(logits)
+            tiles.backward(work, target, stats.lse, stats.entropy, params, scale, None, None, grad)
+
+        passes = {
+            "stats": (timed(lambda tiles=tiles: tiles.forward(logits, target, params), reps=10), 4),
+            "fwd+grad": (timed(fwd_grad, reps=10) - copy_ms, 10),
+            "bwd": (timed(bwd, reps=10) - copy_ms, 6),
+        }
+        row = dict(vocab=vocab, rows=rows, block=block, warps=warps, default=(block, warps) == default)
+        for name, (ms, bytes_per_logit) in passes.items():
+            row[name + "_ms"] = ms
+            row[name + "_tb_s"] = rows * vocab * bytes_per_logit / ms / 1e9
+        out.append(row)
+        print(
+            f"sweep V={vocab} rows={rows} block={block:5d} warps={warps}{' (default)' if row['default'] else ''}: "
+            + ", ".join(f"{k} {row[k + '_tb_s']:.2f} TB/s" for k in passes),
+            flush=True,
+        )
+    return out
+
+
 def kernel_breakdown(name: str) -> dict:
     n, h, v = SHAPES[name]
     x, w, y = inputs(n, h, v)
@@ -166,16 +212,26 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="outputs/profile")
     p.add_argument("--shapes", default="llama3-8b,qwen3-0.6b,mistral-7b")
+    p.add_argument("--sections", default="budget,tiles,kernels,sweep")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("profile_head.py needs a CUDA GPU")
     torch.backends.cuda.matmul.allow_tf32 = False
-    result = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, budget=[], tiles=[], kernels=[])
+    sections = args.sections.split(",")
+    result = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, budget=[], tiles=[], kernels=[], sweep=[])
     for name in args.shapes.split(","):
-        result["budget"] += budget_sweep(name)
-        result["tiles"] += tile_pass(name)
-        result["kernels"].append(kernel_breakdown(name))
+        if "budget" in sections:
+            result["budget"] += budget_sweep(name)
+        if "tiles" in sections:
+            result["tiles"] += tile_pass(name)
+        if "kernels" in sections:
+            result["kernels"].append(kernel_breakdown(name))
         torch.cuda.empty_cache()
+    if "sweep" in sections:
+        for vocab in (128256, 151936):
+            for rows in (1024, 2048, 4096):
+                result["sweep"] += tile_sweep(vocab, rows)
+                torch.cuda.empty_cache()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "profile.json").write_text(json.dumps(result, indent=1))

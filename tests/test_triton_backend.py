@@ -172,12 +172,24 @@ def test_several_chunks(reduction):
     check(hidden, weight, target, bias, stat_grads=True, reduction=reduction, memory_budget=4096, **opts)
 
 
+@pytest.mark.parametrize("budget", [None, 4096], ids=["one-chunk", "chunks"])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_fp16_inputs(reduction):
-    # fp16 inputs and gradients: CPU GEMMs round their products to fp16, so ~1e-3 relative error.
+def test_fp16_inputs(reduction, budget):
+    # fp16 inputs and gradients: CPU GEMMs round their products to fp16, so ~1e-3 relative error. Several chunks:
+    # the gradient over each float32 row's tail, dW through the float32 accumulator and the scaling cast.
     hidden, weight, target, bias, opts = build(("smoothing", "bias"), n=16)
     half = [None if t is None else t.half() for t in (hidden, weight, bias)]
-    check(half[0], half[1], target, half[2], tol=2e-3, grad_tol=1e-2, stat_grads=True, reduction=reduction, **opts)
+    check(
+        *half[:2],
+        target,
+        half[2],
+        tol=2e-3,
+        grad_tol=1e-2,
+        stat_grads=True,
+        reduction=reduction,
+        memory_budget=budget,
+        **opts,
+    )
 
 
 # --- the tile passes against the PyTorch ones ------------------------------------------------------------------

@@ -60,6 +60,8 @@ class TileOps(Protocol):
     # forward to backward (default: the chunk budget).
     # Optional: ``grad_in_row_tail = True`` when ``grad_out`` may be a 16-bit view of the second half of each float32
     # logits row (``logits.view(bf16)[:, V:]``): the pass must then read each element before writing over it.
+    # Optional: ``scale_into(src, scale, out) -> out``, ``out = src * scale`` with a float32 0-d ``scale``, for the
+    # final scaling of the gradients (default: ``torch.mul``).
 
     def forward(
         self,
