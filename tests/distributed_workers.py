@@ -430,8 +430,12 @@ def _zero3(result: dict, model: nn.Module, reference, step, head: Callable[[nn.M
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
         "zero_allow_untested_optimizer": True,
     }
+    # torch's SGD: DeepSpeed's own optimizers are compiled ops, which a wheel without them would build with nvcc.
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    result["notes"].append(f"backend {dist.get_backend()}, engine device {engine.device}")
+    if torch.cuda.is_available() and (dist.get_backend() != "nccl" or engine.device != device()):
+        raise AssertionError(f"ZeRO-3 on GPU should run NCCL on {device()}: {result['notes'][-1]}")
     numel = head(engine.module).weight.numel()
     result["notes"].append(f"head weight numel outside forward: {numel}")
     if numel != 0:

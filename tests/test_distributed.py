@@ -152,20 +152,21 @@ def test_flce_sft_trainer_matches_one_process(tmp_path):
     """FLCESFTTrainer with batch B on each of two ranks (DDP as accelerate sets it up from torchrun's environment, and
     FSDP2 laid out by accelerate's ``fsdp2_prepare_model``) against one process with batch 2B: every logged value of
     three SGD steps to rtol 1e-5; the gradients before the first step, the final parameters and their updates to 1e-4
-    of each tensor's largest entry. The worker is ``distributed_sft.py``."""
-    import math
+    of each tensor's largest entry; where ``lm_head.weight`` is a DTensor (FSDP2, outside its call) and that hf_flce gets
+    it whole. The worker and the comparison are in ``distributed_sft.py``."""
     import signal
 
     worker = Path(__file__).with_name("distributed_sft.py")
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     env.setdefault("OMP_NUM_THREADS", "1")
 
-    def run_worker(prefix: list[str], scenarios: list[str], timeout: int) -> None:
+    def run_worker(prefix: list[str], scenarios: list[str], timeout: int, one_gpu: bool = False) -> None:
         # A session of its own, so that a timeout ends torchrun's workers too; the worker itself dumps its stacks and
-        # exits after HANG_S (below this timeout), and a failing rank makes torchrun stop the others.
+        # exits after HANG_S (below this timeout), and a failing rank makes torchrun stop the others. One process
+        # sees one GPU: with several, Trainer would wrap the model in nn.DataParallel.
         proc = subprocess.Popen(
             [*prefix, str(worker), str(tmp_path), *scenarios],
-            env=env,
+            env={**env, "CUDA_VISIBLE_DEVICES": "0"} if one_gpu and torch.cuda.is_available() else env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -182,34 +183,13 @@ def test_flce_sft_trainer_matches_one_process(tmp_path):
         if proc.returncode != 0 or failures:
             pytest.fail(f"{' '.join(scenarios)} failed ({proc.returncode}):\n{''.join(failures)}\n{output[-8000:]}")
 
-    run_worker([sys.executable], ["single"], timeout=300)
+    run_worker([sys.executable], ["single"], timeout=300, one_gpu=True)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={NPROC}"]
     scenarios = ["ddp", "fsdp2"]
     run_worker(torchrun, scenarios, timeout=300)
 
-    want = torch.load(tmp_path / "single_rank0.pt")
-    # Runtimes differ, and `total_flos` counts each rank's padded length.
-    skip = ("_runtime", "_per_second", "total_flos")
+    import distributed_sft
+
     for scenario in scenarios:
-        for rank in range(NPROC):
-            got = torch.load(tmp_path / f"{scenario}_rank{rank}.pt")
-            where = f"{scenario}, rank {rank} ({'; '.join(got['notes'])})"
-            assert len(got["logs"]) == len(want["logs"]) == 4, where  # three steps and the summary
-            for step, (row, ref_row) in enumerate(zip(got["logs"], want["logs"])):
-                assert set(row) == set(ref_row), where
-                for key, value in ref_row.items():
-                    if not key.endswith(skip):
-                        ok = math.isclose(row[key], value, rel_tol=1e-5, abs_tol=1e-8)
-                        assert ok, f"{where}, log {step} {key}: {row[key]} != {value}"
-            updates = {n: p - want["initial"][n] for n, p in want["params"].items()}
-            got_updates = {n: p - got["initial"][n] for n, p in got["params"].items()}
-            for kind, ours, ref in (
-                ("initial", got["initial"], want["initial"]),
-                ("grad", got["grads"], want["grads"]),
-                ("param", got["params"], want["params"]),
-                ("update", got_updates, updates),
-            ):
-                assert set(ours) == set(ref) and ref, f"{where}: {kind} names differ"
-                for name, value in ref.items():
-                    err = (ours[name] - value).abs().max().item()
-                    assert err <= 1e-4 * value.abs().max().item(), f"{where}: {kind} {name} off by {err:.3g}"
+        report = distributed_sft.compare(tmp_path, scenario, NPROC)
+        assert not report["problems"], f"{scenario} ({'; '.join(report['notes'])}):\n" + "\n".join(report["problems"])
