@@ -253,17 +253,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
 
         grads = None
         if eager:
-            grads = _GradBuffers(
-                n if rows is not None else n_valid,
-                x.dtype,
-                w_c,
-                weight.dtype,
-                n_chunks,
-                need_dx,
-                need_dw,
-                need_db,
-                rows,
-            )
+            grads = _GradBuffers(n, x.dtype, w_c, weight.dtype, n_chunks, need_dx, need_dw, need_db, rows)
         grad_scale = None
         if eager:
             grad_scale = (1.0 / plan.denominator).to(torch.float32).expand(min(chunk, max(n_valid, 1)))
@@ -388,8 +378,7 @@ def _recompute_grads(
     if kept is not None:
         chunk = max(n_valid, 1)
     n_chunks = max(1, -(-n_valid // chunk))
-    n_dx = n if rows is not None else n_valid
-    grads = _GradBuffers(n_dx, x.dtype, w_c, weight.dtype, n_chunks, need_dx, need_dw, need_db, rows)
+    grads = _GradBuffers(n, x.dtype, w_c, weight.dtype, n_chunks, need_dx, need_dw, need_db, rows)
     for start, end in _chunks(n_valid, chunk):
         x_chunk = _chunk_rows(x, rows, start, end, plan)
         logits = kept if kept is not None else compute_logits(x_chunk, w_c, bias)
