@@ -93,14 +93,14 @@ def check_target_range(target: torch.Tensor, vocab: int, ignore_index: int) -> N
 
 
 def plan_chunk_rows(
-    n_rows: int, vocab: int, hidden: int, bytes_per_logit: int, budget: int, accumulates_dw: bool
+    n_rows: int, vocab: int, hidden: int, bytes_per_logit: float, budget: int, accumulates_dw: bool
 ) -> int:
     """Rows per chunk: as many as ``budget`` bytes of per-logit buffers allow, balanced so the last chunk is not a
     sliver. Several chunks need a float32 ``[V, H]`` dW accumulator, so one chunk is taken whenever it costs no more
     memory than that accumulator plus a budget-sized chunk (it also saves the accumulator's traffic)."""
     if n_rows == 0:
         return 1
-    bytes_per_row = vocab * bytes_per_logit
+    bytes_per_row = max(1, int(vocab * bytes_per_logit))
     accumulator = vocab * hidden * 4 if accumulates_dw else 0
     if n_rows * bytes_per_row <= budget + accumulator:
         return n_rows
@@ -213,6 +213,45 @@ def _scatter_rows(values: torch.Tensor, rows: torch.Tensor | None, n: int) -> to
     return out.index_copy_(0, rows, values)
 
 
+def _fused_head(plan: CallPlan, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """The backend's GEMM-with-softmax-epilogue path (``backends/triton_gemm.py``) when it offers one and this call
+    fits it, else None (cuBLAS float32 logits plus the tile passes)."""
+    fused = getattr(plan.tiles, "fused_head", None)
+    dtype = plan.compute_dtype or x.dtype
+    if fused is None or x.stride(-1) != 1 or not fused.supports(dtype, weight, bias, plan.params):
+        return None
+    return fused
+
+
+def _chunk_forward(x_chunk, w_c, bias, ys, plan: CallPlan, fused, scale, eager: bool, keep: bool):
+    """One chunk: its row statistics, the detached target probability (DFT only), for a scalar loss the logits
+    gradient times ``scale`` (one value per row), and with ``keep`` what the per-token backward reuses."""
+    if fused is not None:
+        stats, kept = fused.forward(x_chunk, w_c, bias, ys, plan.params, keep=eager or keep)
+    else:
+        kept = compute_logits(x_chunk, w_c, bias)
+    grad_out = prob = None
+    if fused is None and eager and not plan.prob_weighted:
+        # statistics and gradient in one pass over the float32 logits
+        grad_out = _grad_buffer(kept, x_chunk.dtype, plan.tiles)
+        stats = plan.tiles.forward(kept, ys, plan.params, grad_scale=scale, grad_out=grad_out)
+    elif fused is None:
+        stats = plan.tiles.forward(kept, ys, plan.params)
+    if plan.prob_weighted:
+        # DFT: loss_i * p_y (detached). Its gradient is the CE gradient scaled per row by p_y.
+        prob = torch.exp(stats.logprob)
+        stats.loss = stats.loss * prob
+        if eager:
+            scale = scale * prob
+    if eager and grad_out is None:
+        if fused is not None:
+            grad_out = fused.gradient(kept, ys, stats.lse, stats.entropy, plan.params, x_chunk.dtype, scale)
+        else:
+            grad_out = _grad_buffer(kept, x_chunk.dtype, plan.tiles)
+            plan.tiles.backward(kept, ys, stats.lse, stats.entropy, plan.params, scale, None, None, grad_out)
+    return stats, prob, grad_out, (kept if keep else None)
+
+
 class FusedLinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, target, plan: CallPlan):
@@ -234,10 +273,18 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         w_c = compute_operand(weight, plan)
 
         eager = need_grad and plan.reduction == "scalar"
-        per_logit = _bytes_per_logit(plan, (plan.compute_dtype or x.dtype) if eager else None)
+        fused = _fused_head(plan, x, w_c, bias)
+        if fused is not None:
+            per_logit = fused.bytes_per_logit(vocab)
+            kept_per_logit = per_logit
+        else:
+            per_logit = _bytes_per_logit(plan, (plan.compute_dtype or x.dtype) if eager else None)
+            kept_per_logit = 4
         chunk = plan_chunk_rows(n_valid, vocab, x.shape[1], per_logit, plan.budget, eager and need_dw)
         n_chunks = max(1, -(-n_valid // chunk))
-        keep_logits = need_grad and not eager and n_valid > 0 and n_valid * vocab * 4 <= _keep_limit(plan, x.device)
+        keep_logits = (
+            need_grad and not eager and n_valid > 0 and n_valid * vocab * kept_per_logit <= _keep_limit(plan, x.device)
+        )
         if keep_logits:
             chunk, n_chunks = n_valid, 1
 
@@ -260,22 +307,10 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         kept = None
         for start, end in _chunks(n_valid, chunk):
             x_chunk = _chunk_rows(x, rows, start, end, plan)
-            logits = compute_logits(x_chunk, w_c, bias)
-            grad_out = _grad_buffer(logits, x_chunk.dtype, plan.tiles) if eager else None
             scale = None if grad_scale is None else grad_scale[: end - start]
-            if plan.prob_weighted:
-                # DFT: loss_i * p_y (detached). Its gradient is the CE gradient scaled per row by p_y, which the
-                # stats pass yields: stats, then the one-pass gradient kernel with that row scale (same passes).
-                stats = plan.tiles.forward(logits, ys[start:end], plan.params)
-                prob = torch.exp(stats.logprob)
-                stats.loss = stats.loss * prob
-                prob_v[start:end] = prob
-                if eager:
-                    plan.tiles.backward(
-                        logits, ys[start:end], stats.lse, stats.entropy, plan.params, scale * prob, None, None, grad_out
-                    )
-            else:
-                stats = plan.tiles.forward(logits, ys[start:end], plan.params, grad_scale=scale, grad_out=grad_out)
+            stats, prob, grad_out, kept_chunk = _chunk_forward(
+                x_chunk, w_c, bias, ys[start:end], plan, fused, scale, eager, keep_logits
+            )
             loss_v[start:end] = stats.loss
             lse_v[start:end] = stats.lse
             logp_v[start:end] = stats.logprob
@@ -283,12 +318,14 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             mean_v[start:end] = stats.mean_logit
             top1_v[start:end] = stats.is_top1
             lssp_v[start:end] = stats.log_sum_sq_probs
+            if prob is not None:
+                prob_v[start:end] = prob
             if eager:
                 grads.add(start, end, grad_out, x_chunk)
             elif keep_logits:
-                kept = logits
-            # the next chunk's logits must not be allocated while this chunk's are still referenced
-            del logits, grad_out
+                kept = kept_chunk
+            # the next chunk's buffers must not be allocated while this chunk's are still referenced
+            del grad_out, kept_chunk
 
         if plan.reduction == "none":
             loss = _scatter_rows(loss_v, rows, n)
@@ -373,7 +410,11 @@ def _recompute_grads(
     gl, glp, ge = compact(g_loss), compact(g_logp), compact(g_ent)
     n_valid = ys.shape[0]
     w_c = compute_operand(weight, plan)
-    per_logit = _bytes_per_logit(plan, plan.compute_dtype or x.dtype)
+    fused = _fused_head(plan, x, w_c, bias)
+    if fused is not None:
+        per_logit = x.dtype.itemsize if plan.compute_dtype is None else plan.compute_dtype.itemsize
+    else:
+        per_logit = _bytes_per_logit(plan, plan.compute_dtype or x.dtype)
     chunk = plan_chunk_rows(n_valid, weight.shape[0], x.shape[1], per_logit, plan.budget, need_dw)
     if kept is not None:
         chunk = max(n_valid, 1)
@@ -381,20 +422,20 @@ def _recompute_grads(
     grads = _GradBuffers(n, x.dtype, w_c, weight.dtype, n_chunks, need_dx, need_dw, need_db, rows)
     for start, end in _chunks(n_valid, chunk):
         x_chunk = _chunk_rows(x, rows, start, end, plan)
-        logits = kept if kept is not None else compute_logits(x_chunk, w_c, bias)
-        grad_out = _grad_buffer(logits, x_chunk.dtype, plan.tiles)
         sl = slice(start, end)
-        plan.tiles.backward(
-            logits,
-            ys[sl],
-            lse_v[sl],
-            ent_v[sl],
-            plan.params,
-            None if gl is None else gl[sl],
-            None if glp is None else glp[sl],
-            None if ge is None else ge[sl],
-            grad_out,
-        )
+        upstream = tuple(None if g is None else g[sl] for g in (gl, glp, ge))
+        if kept is not None and not isinstance(kept, torch.Tensor):
+            grad_out = fused.gradient(kept, ys[sl], lse_v[sl], ent_v[sl], plan.params, x_chunk.dtype, *upstream)
+        elif fused is not None and kept is None:
+            # the epilogue of the recomputing GEMM writes the gradient itself: the logits never exist
+            grad_out = fused.recompute_gradient(
+                x_chunk, w_c, bias, ys[sl], lse_v[sl], ent_v[sl], plan.params, *upstream
+            )
+        else:
+            logits = kept if kept is not None else compute_logits(x_chunk, w_c, bias)
+            grad_out = _grad_buffer(logits, x_chunk.dtype, plan.tiles)
+            plan.tiles.backward(logits, ys[sl], lse_v[sl], ent_v[sl], plan.params, *upstream, grad_out)
+            del logits
         grads.add(start, end, grad_out, x_chunk)
-        del logits, grad_out
+        del grad_out
     return grads.finish()

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 
 import torch
 import triton
 import triton.language as tl
 
+from . import triton_gemm
 from .base import TileParams, TileStats
 
 # Start of the running max: finite, so that exp(m_old - m_new) and (m_old - m_new) * 0 never give NaN.
@@ -315,9 +317,13 @@ class TritonTileOps:
     # A 16-bit gradient may live in the second half of each float32 logits row (see the gradient loop).
     grad_in_row_tail = True
 
-    def __init__(self, block: int | None = None, num_warps: int | None = None) -> None:
+    def __init__(self, block: int | None = None, num_warps: int | None = None, gemm_epilogue: bool | None = None):
         self.block = block
         self.num_warps = num_warps
+        if gemm_epilogue is None:
+            gemm_epilogue = os.environ.get("HF_FLCE_GEMM_EPILOGUE", "1") != "0"
+        # 16-bit calls without softcap or class weights: the logits GEMM with the softmax in its epilogue
+        self.fused_head = triton_gemm if gemm_epilogue else None
 
     def _config(self, vocab: int, rows: int, device: torch.device) -> tuple[int, int]:
         block, num_warps = launch_config(vocab, rows, device)

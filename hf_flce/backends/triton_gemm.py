@@ -1,0 +1,638 @@
+"""The logits GEMM with the softmax in its epilogue (CUDA; CPU tensors under ``TRITON_INTERPRET=1`` for tests).
+
+The tile path (``triton_tiles``) has cuBLAS write float32 logits and reads them back twice: 12 bytes per logit more
+than the floor's bf16 GEMM. Here each ``[BM, BN]`` tile of ``t = (x W^T + b) / temperature`` stays in registers in
+float32, and the epilogue reduces it to per-row partial statistics of its BN columns: the max ``m``, and with
+``e = exp(t - m)``, ``sum e``, ``sum e (t - m)``, ``sum e**2``, ``sum t`` and the first argmax. A merge kernel combines
+the partials of a row as online softmax does (a partial's sums are rescaled by ``exp(m - max of all m)``).
+
+For gradients the epilogue also stores ``e`` in fp16: ``e`` lies in (0, 1], where fp16 keeps 11 significant bits
+(bf16 keeps 8), and it comes from the float32 tile, so the logits are never rounded before the softmax. Once the
+row's lse is known, the gradient pass turns ``e`` into the logits gradient in place (2 bytes read and 2 written per
+logit), with ``p_j = e_j exp(m_tile - lse)``:
+
+    g_j = (p_j * (p_coef - g_entropy * t_j) + [j == y] * onehot_coef - smooth_coef) / temperature
+
+(``base.py`` derives the coefficients.) When the lse is already known (a per-token backward that recomputes the
+logits), the epilogue writes ``g`` itself. Softcap and class weights are not handled here: the engine keeps the tile
+path for them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .base import TileParams, TileStats
+
+MODE_STATS = 0  # partial statistics only (no gradient wanted: eval, reference models)
+MODE_KEEP = 1  # partial statistics and e = exp(t - m_tile) in fp16, for the gradient pass
+MODE_GRAD = 2  # the logits gradient, from a known lse
+
+_NEG_BIG = tl.constexpr(-3.0e38)
+_N_STATS = 5  # m, sum e, sum e (t - m), sum e**2, sum t
+
+
+def _configs():
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return [triton.Config({"BM": 16, "BN": 32, "BK": 16, "GROUP_M": 4}, num_warps=4, num_stages=1)]
+    return [
+        triton.Config({"BM": bm, "BN": bn, "BK": bk, "GROUP_M": 8}, num_warps=w, num_stages=s)
+        for bm, bn, bk, w, s in (
+            (128, 128, 64, 8, 4),
+            (128, 256, 64, 8, 3),
+            (128, 128, 64, 4, 4),
+            (128, 128, 128, 8, 3),
+            (64, 256, 64, 4, 4),
+            (256, 128, 64, 8, 3),
+        )
+    ]
+
+
+@triton.jit
+def _row_coefs(
+    rows,
+    valid,
+    lse,
+    entropy,
+    gl_ptr,
+    stride_gl,
+    glp_ptr,
+    stride_glp,
+    ge_ptr,
+    stride_ge,
+    smoothing,
+    smooth_over_v,
+    z_loss,
+    HAS_GL: tl.constexpr,
+    HAS_GLP: tl.constexpr,
+    HAS_GE: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    HAS_ZLOSS: tl.constexpr,
+):
+    """Per-row coefficients of d/dt of g_loss * loss + g_logprob * logp + g_entropy * H (zero at ignored rows):
+    g_j = p_j * (p_coef - g_entropy * t_j) + [j == y] * onehot_coef - smooth_coef."""
+    zero = tl.zeros_like(lse)
+    p_coef = zero
+    onehot_coef = zero
+    smooth_coef = zero
+    g_entropy = zero
+    if HAS_GL:
+        g_loss = tl.load(gl_ptr + rows * stride_gl, mask=valid, other=0.0).to(tl.float32)
+        p_coef = g_loss * (1.0 - smoothing)
+        onehot_coef = -p_coef
+        if HAS_SMOOTHING:
+            p_coef += g_loss * smoothing
+            smooth_coef = g_loss * smooth_over_v
+        if HAS_ZLOSS:
+            p_coef += g_loss * (2.0 * z_loss) * lse
+    if HAS_GLP:
+        g_logprob = tl.load(glp_ptr + rows * stride_glp, mask=valid, other=0.0).to(tl.float32)
+        p_coef -= g_logprob
+        onehot_coef += g_logprob
+    if HAS_GE:
+        g_entropy = tl.load(ge_ptr + rows * stride_ge, mask=valid, other=0.0).to(tl.float32)
+        p_coef += g_entropy * (lse - entropy)
+    return p_coef, onehot_coef, smooth_coef, g_entropy
+
+
+@triton.autotune(configs=_configs(), key=["V", "K", "MODE"])
+@triton.jit
+def _head_gemm_kernel(
+    x_ptr,
+    stride_xn,
+    w_ptr,
+    stride_wv,
+    bias_ptr,
+    y_ptr,
+    out_ptr,
+    stride_on,
+    part_ptr,
+    best_ptr,
+    ty_ptr,
+    lse_ptr,
+    entropy_ptr,
+    gl_ptr,
+    stride_gl,
+    glp_ptr,
+    stride_glp,
+    ge_ptr,
+    stride_ge,
+    N,
+    V,
+    K,
+    ignore_index,
+    inv_temperature,
+    smoothing,
+    smooth_over_v,
+    z_loss,
+    MODE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_TEMPERATURE: tl.constexpr,
+    HAS_GL: tl.constexpr,
+    HAS_GLP: tl.constexpr,
+    HAS_GE: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    HAS_ZLOSS: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """One [BM, BN] tile of t = (x W^T + b) / temperature, reduced in the epilogue (see the module docstring)."""
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(N, BM)
+    tiles_n = tl.cdiv(V, BN)
+    # Grouped order: GROUP_M row blocks sweep the vocabulary together, so each W tile is read from L2 that often.
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    group_m = min(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_m
+    pid_n = (pid % per_group) // group_m
+
+    rows = pid_m * BM + tl.arange(0, BM)
+    cols = pid_n * BN + tl.arange(0, BN)
+    ks = tl.arange(0, BK)
+    row_ok = rows < N
+    col_ok = cols < V
+    # Out-of-range rows and columns read row 0 (in bounds); their results are masked at the end.
+    x_ptrs = x_ptr + tl.where(row_ok, rows, 0).to(tl.int64)[:, None] * stride_xn + ks[None, :]
+    w_ptrs = w_ptr + tl.where(col_ok, cols, 0).to(tl.int64)[:, None] * stride_wv + ks[None, :]
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k in range(0, K, BK):
+        k_ok = (k + ks) < K
+        a = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
+        b = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, tl.trans(b), acc)
+        x_ptrs += BK
+        w_ptrs += BK
+
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    t = acc
+    if HAS_TEMPERATURE:
+        t = t * inv_temperature
+    y = tl.load(y_ptr + rows, mask=row_ok, other=ignore_index)
+    valid = row_ok & (y != ignore_index)
+    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_on + cols[None, :]
+    out_mask = row_ok[:, None] & col_ok[None, :]
+    is_y = cols[None, :] == y[:, None]
+
+    if MODE == 2:
+        lse = tl.load(lse_ptr + rows, mask=valid, other=0.0)
+        entropy = lse
+        if HAS_GE:
+            entropy = tl.load(entropy_ptr + rows, mask=valid, other=0.0)
+        p_coef, onehot_coef, smooth_coef, g_entropy = _row_coefs(
+            rows,
+            valid,
+            lse,
+            entropy,
+            gl_ptr,
+            stride_gl,
+            glp_ptr,
+            stride_glp,
+            ge_ptr,
+            stride_ge,
+            smoothing,
+            smooth_over_v,
+            z_loss,
+            HAS_GL,
+            HAS_GLP,
+            HAS_GE,
+            HAS_SMOOTHING,
+            HAS_ZLOSS,
+        )
+        # ignored rows: exp(-inf) = 0, so nothing overflows against their placeholder lse
+        p = tl.exp(tl.where(valid[:, None], t - lse[:, None], float("-inf")))
+        if HAS_GE:
+            g = p * (p_coef[:, None] - g_entropy[:, None] * t)
+        else:
+            g = p * p_coef[:, None]
+        g += tl.where(is_y, onehot_coef[:, None], 0.0) - smooth_coef[:, None]
+        if HAS_TEMPERATURE:
+            g *= inv_temperature
+        tl.store(out_ptrs, g.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        t = tl.where(col_ok[None, :], t, float("-inf"))
+        m = tl.max(t, 1)
+        e = tl.exp(t - m[:, None])
+        t_minus_m = tl.where(col_ok[None, :], t - m[:, None], 0.0)
+        part = part_ptr + pid_n * N + rows
+        stat_stride = tl.cdiv(V, BN) * N
+        tl.store(part, m, mask=row_ok)
+        tl.store(part + stat_stride, tl.sum(e, 1), mask=row_ok)
+        tl.store(part + 2 * stat_stride, tl.sum(e * t_minus_m, 1), mask=row_ok)
+        tl.store(part + 3 * stat_stride, tl.sum(e * e, 1), mask=row_ok)
+        tl.store(part + 4 * stat_stride, tl.sum(tl.where(col_ok[None, :], t, 0.0), 1), mask=row_ok)
+        tl.store(best_ptr + pid_n * N + rows, pid_n * BN + tl.argmax(t, 1, tie_break_left=True), mask=row_ok)
+        y_here = valid & (y >= pid_n * BN) & (y < pid_n * BN + BN)
+        tl.store(ty_ptr + rows, tl.sum(tl.where(is_y, t, 0.0), 1), mask=y_here)
+        if MODE == 1:
+            tl.store(out_ptrs, e.to(tl.float16), mask=out_mask)
+
+
+@triton.jit
+def _merge_kernel(
+    part_ptr,
+    best_ptr,
+    ty_ptr,
+    y_ptr,
+    loss_ptr,
+    lse_ptr,
+    logprob_ptr,
+    entropy_ptr,
+    top1_ptr,
+    mean_ptr,
+    lssp_ptr,
+    N,
+    V,
+    n_tiles,
+    ignore_index,
+    smoothing,
+    smooth_over_v,
+    z_loss,
+    HAS_SMOOTHING: tl.constexpr,
+    HAS_ZLOSS: tl.constexpr,
+    BR: tl.constexpr,
+    BT: tl.constexpr,
+):
+    """Row statistics from the partials of BR rows ([stat, tile, row] layout: loads are contiguous along rows)."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    row_ok = rows < N
+    y = tl.load(y_ptr + rows, mask=row_ok, other=ignore_index)
+    valid = row_ok & (y != ignore_index)
+    stat_stride = n_tiles * N
+    big = tl.full((BR,), _NEG_BIG, tl.float32)
+    row_max = big
+    for t0 in range(0, n_tiles, BT):
+        tiles = t0 + tl.arange(0, BT)
+        mask = (tiles[:, None] < n_tiles) & row_ok[None, :]
+        m = tl.load(part_ptr + tiles[:, None] * N + rows[None, :], mask=mask, other=_NEG_BIG)
+        row_max = tl.maximum(row_max, tl.max(m, 0))
+    sum_e = tl.zeros((BR,), tl.float32)
+    sum_e_tm = tl.zeros((BR,), tl.float32)
+    sum_e2 = tl.zeros((BR,), tl.float32)
+    sum_t = tl.zeros((BR,), tl.float32)
+    best = tl.full((BR,), 2147483647, tl.int32)
+    for t0 in range(0, n_tiles, BT):
+        tiles = t0 + tl.arange(0, BT)
+        mask = (tiles[:, None] < n_tiles) & row_ok[None, :]
+        offs = tiles[:, None] * N + rows[None, :]
+        m = tl.load(part_ptr + offs, mask=mask, other=_NEG_BIG)
+        shift = tl.where(mask, m - row_max[None, :], 0.0)
+        # a partial with max m holds sums relative to m: relative to the row max they scale by exp(m - row_max)
+        scale = tl.where(mask, tl.exp(shift), 0.0)
+        s = tl.load(part_ptr + stat_stride + offs, mask=mask, other=0.0)
+        sum_e += tl.sum(scale * s, 0)
+        sum_e_tm += tl.sum(scale * (tl.load(part_ptr + 2 * stat_stride + offs, mask=mask, other=0.0) + shift * s), 0)
+        sum_e2 += tl.sum(scale * scale * tl.load(part_ptr + 3 * stat_stride + offs, mask=mask, other=0.0), 0)
+        sum_t += tl.sum(tl.load(part_ptr + 4 * stat_stride + offs, mask=mask, other=0.0), 0)
+        # argmax indices grow with the tile, so the smallest among the tiles holding the max is the first argmax
+        cand = tl.load(best_ptr + offs, mask=mask & (m == row_max[None, :]), other=2147483647)
+        best = tl.minimum(best, tl.min(cand, 0))
+    sum_e = tl.where(valid, sum_e, 1.0)
+    log_sum_exp = tl.log(sum_e)
+    lse = tl.where(valid, row_max, 0.0) + log_sum_exp
+    t_y = tl.load(ty_ptr + rows, mask=valid, other=0.0)
+    loss = (1.0 - smoothing) * (lse - t_y)
+    if HAS_SMOOTHING:
+        loss += smooth_over_v * (V * lse - sum_t)
+    if HAS_ZLOSS:
+        loss += z_loss * lse * lse
+    tl.store(loss_ptr + rows, tl.where(valid, loss, 0.0), mask=row_ok)
+    tl.store(lse_ptr + rows, tl.where(valid, lse, 0.0), mask=row_ok)
+    tl.store(logprob_ptr + rows, tl.where(valid, t_y - lse, 0.0), mask=row_ok)
+    # H = log(sum e) - sum e (t - m) / sum e: no cancellation of two large terms
+    tl.store(entropy_ptr + rows, tl.where(valid, log_sum_exp - sum_e_tm / sum_e, 0.0), mask=row_ok)
+    tl.store(top1_ptr + rows, (valid & (best == y)).to(tl.int8), mask=row_ok)
+    tl.store(mean_ptr + rows, tl.where(valid, sum_t / V, 0.0), mask=row_ok)
+    log_sum_sq = tl.log(tl.where(valid, sum_e2, 1.0)) - 2.0 * log_sum_exp
+    tl.store(lssp_ptr + rows, tl.where(valid, log_sum_sq, 0.0), mask=row_ok)
+
+
+@triton.jit
+def _grad_from_e_kernel(
+    e_ptr,
+    stride_en,
+    g_ptr,
+    stride_gn,
+    part_ptr,
+    y_ptr,
+    lse_ptr,
+    entropy_ptr,
+    gl_ptr,
+    stride_gl,
+    glp_ptr,
+    stride_glp,
+    ge_ptr,
+    stride_ge,
+    N,
+    V,
+    ignore_index,
+    inv_temperature,
+    smoothing,
+    smooth_over_v,
+    z_loss,
+    HAS_GL: tl.constexpr,
+    HAS_GLP: tl.constexpr,
+    HAS_GE: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    HAS_ZLOSS: tl.constexpr,
+    HAS_TEMPERATURE: tl.constexpr,
+    BR: tl.constexpr,
+    BN: tl.constexpr,
+):
+    """The gradient of a [BR, BN] block (BN = the GEMM's tile width, so one m per row) from the stored e. ``g`` may
+    be ``e``'s own memory: each element is read before it is written, by the same thread."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    tile = tl.program_id(1)
+    cols = tile * BN + tl.arange(0, BN)
+    row_ok = rows < N
+    y = tl.load(y_ptr + rows, mask=row_ok, other=ignore_index)
+    valid = row_ok & (y != ignore_index)
+    lse = tl.load(lse_ptr + rows, mask=valid, other=0.0)
+    entropy = lse
+    if HAS_GE:
+        entropy = tl.load(entropy_ptr + rows, mask=valid, other=0.0)
+    m = tl.load(part_ptr + tile * N + rows, mask=valid, other=0.0)
+    p_coef, onehot_coef, smooth_coef, g_entropy = _row_coefs(
+        rows,
+        valid,
+        lse,
+        entropy,
+        gl_ptr,
+        stride_gl,
+        glp_ptr,
+        stride_glp,
+        ge_ptr,
+        stride_ge,
+        smoothing,
+        smooth_over_v,
+        z_loss,
+        HAS_GL,
+        HAS_GLP,
+        HAS_GE,
+        HAS_SMOOTHING,
+        HAS_ZLOSS,
+    )
+    mask = row_ok[:, None] & (cols < V)[None, :]
+    e = tl.load(e_ptr + rows.to(tl.int64)[:, None] * stride_en + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    # p = e exp(m - lse); m <= lse, so the factor is at most 1
+    p = e * tl.where(valid, tl.exp(m - lse), 0.0)[:, None]
+    if HAS_GE:
+        # t_j = m + log e_j; where e_j underflowed to 0, p_j t_j -> 0
+        t = tl.where(e > 0.0, m[:, None] + tl.log(tl.maximum(e, 1e-30)), 0.0)
+        g = p * (p_coef[:, None] - g_entropy[:, None] * t)
+    else:
+        g = p * p_coef[:, None]
+    g += tl.where(cols[None, :] == y[:, None], onehot_coef[:, None], 0.0) - smooth_coef[:, None]
+    if HAS_TEMPERATURE:
+        g *= inv_temperature
+    tl.store(g_ptr + rows.to(tl.int64)[:, None] * stride_gn + cols[None, :], g.to(g_ptr.dtype.element_ty), mask=mask)
+
+
+@dataclass
+class KeptSoftmax:
+    """What the gradient pass needs of a chunk: e = exp(t - m_tile) in fp16 ``[rows, V]``, the per-tile maxima
+    ``[n_tiles, rows]`` (first plane of ``partials``) and the tile width."""
+
+    e: torch.Tensor
+    partials: torch.Tensor
+    tile_n: int
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def partial_bytes_per_row(vocab: int) -> int:
+    """Bytes per row of the partial statistics (float32 x 5 and an int32 argmax per tile), at the narrowest tile."""
+    tile_n = min(c.kwargs["BN"] for c in _head_gemm_kernel.configs)
+    return triton.cdiv(vocab, tile_n) * 4 * (_N_STATS + 1)
+
+
+def supports(dtype: torch.dtype, weight: torch.Tensor, bias: torch.Tensor | None, params: TileParams) -> bool:
+    """Whether this path applies to a call whose GEMM operands are ``dtype`` and ``weight``: 16-bit operands of one
+    dtype, a contiguous hidden dimension, no softcap and no class weights."""
+    return (
+        dtype in (torch.bfloat16, torch.float16)
+        and weight.dtype == dtype
+        and (weight.device.type == "cuda" or (weight.device.type == "cpu" and _interpreting()))
+        and weight.stride(-1) == 1
+        and params.softcap is None
+        and params.class_weight is None
+        and (bias is None or bias.is_contiguous())
+    )
+
+
+def bytes_per_logit(vocab: int) -> float:
+    """Chunk memory per logit: e (then the gradient) in 16 bits, plus the partial statistics."""
+    return 2 + partial_bytes_per_row(vocab) / vocab
+
+
+def _vectors(upstream, spare):
+    args = []
+    for g in upstream:
+        g = spare if g is None else g
+        args += [g, g.stride(0) if g.dim() else 0]
+    return args
+
+
+def _option_flags(params: TileParams, upstream) -> dict:
+    return dict(
+        HAS_GL=upstream[0] is not None,
+        HAS_GLP=upstream[1] is not None,
+        HAS_GE=upstream[2] is not None,
+        HAS_SMOOTHING=params.label_smoothing != 0.0,
+        HAS_ZLOSS=params.z_loss != 0.0,
+    )
+
+
+def _gemm(x, weight, bias, target, params, mode, out, partials, best, t_y, lse, entropy, upstream):
+    n, k = x.shape
+    spare = partials if partials is not None else lse
+    _head_gemm_kernel[lambda meta: (triton.cdiv(n, meta["BM"]) * triton.cdiv(params.vocab, meta["BN"]),)](
+        x,
+        x.stride(0),
+        weight,
+        weight.stride(0),
+        spare if bias is None else bias,
+        target,
+        spare if out is None else out,
+        0 if out is None else out.stride(0),
+        spare if partials is None else partials,
+        spare if best is None else best,
+        spare if t_y is None else t_y,
+        spare if lse is None else lse,
+        spare if entropy is None else entropy,
+        *_vectors(upstream, spare),
+        n,
+        params.vocab,
+        k,
+        params.ignore_index,
+        params.inv_temperature,
+        params.label_smoothing,
+        params.label_smoothing / params.vocab,
+        params.z_loss,
+        MODE=mode,
+        HAS_BIAS=bias is not None,
+        HAS_TEMPERATURE=params.inv_temperature != 1.0,
+        UPCAST=x.device.type == "cpu",
+        **_option_flags(params, (None, None, None) if mode != MODE_GRAD else upstream),
+    )
+
+
+def forward(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    params: TileParams,
+    keep: bool,
+) -> tuple[TileStats, KeptSoftmax | None]:
+    """Statistics of every row of ``x W^T + b`` (and, with ``keep``, what the gradient pass needs), without ever
+    materialising the logits."""
+    n, vocab = x.shape[0], params.vocab
+    dev = x.device
+    f32 = dict(dtype=torch.float32, device=dev)
+    loss, lse, logprob, entropy, mean_logit, lssp = (torch.empty(n, **f32) for _ in range(6))
+    is_top1 = torch.empty(n, dtype=torch.bool, device=dev)
+    stats = TileStats(loss, lse, logprob, entropy, is_top1, mean_logit, lssp)
+    if n == 0:
+        return stats, (KeptSoftmax(torch.empty(0, vocab, dtype=torch.float16, device=dev), loss, 1) if keep else None)
+    mode = MODE_KEEP if keep else MODE_STATS
+    # Sized for the narrowest tile; the kernel indexes them by the tile width the autotuner picked.
+    max_tiles = partial_bytes_per_row(vocab) // (4 * (_N_STATS + 1))
+    partials = torch.empty(_N_STATS * max_tiles * n, **f32)
+    best = torch.empty(max_tiles * n, dtype=torch.int32, device=dev)
+    t_y = torch.empty(n, **f32)
+    e = torch.empty(n, vocab, dtype=torch.float16, device=dev) if keep else None
+    with _device_guard(dev):
+        _gemm(x, weight, bias, target, params, mode, e, partials, best, t_y, None, None, (None, None, None))
+        # the partials' layout follows the tile width the autotuner picked for this launch
+        tile_n = _head_gemm_kernel.best_config.kwargs["BN"]
+        n_tiles = triton.cdiv(vocab, tile_n)
+        br = 32
+        _merge_kernel[(triton.cdiv(n, br),)](
+            partials,
+            best,
+            t_y,
+            target,
+            loss,
+            lse,
+            logprob,
+            entropy,
+            is_top1.view(torch.int8),
+            mean_logit,
+            lssp,
+            n,
+            vocab,
+            n_tiles,
+            params.ignore_index,
+            params.label_smoothing,
+            params.label_smoothing / vocab,
+            params.z_loss,
+            HAS_SMOOTHING=params.label_smoothing != 0.0,
+            HAS_ZLOSS=params.z_loss != 0.0,
+            BR=br,
+            BT=32,
+            num_warps=4,
+        )
+    kept = KeptSoftmax(e, partials[: n_tiles * n].view(n_tiles, n), tile_n) if keep else None
+    return stats, kept
+
+
+def gradient(
+    kept: KeptSoftmax,
+    target: torch.Tensor,
+    lse: torch.Tensor,
+    entropy: torch.Tensor,
+    params: TileParams,
+    out_dtype: torch.dtype,
+    grad_loss: torch.Tensor | None = None,
+    grad_logprob: torch.Tensor | None = None,
+    grad_entropy: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The logits gradient ``[rows, V]`` in ``out_dtype`` (16-bit: written over ``kept.e``, which is consumed)."""
+    e = kept.e
+    n, vocab = e.shape
+    out = e.view(out_dtype) if out_dtype.itemsize == 2 else torch.empty(n, vocab, dtype=out_dtype, device=e.device)
+    if n == 0:
+        return out
+    upstream = (grad_loss, grad_logprob, grad_entropy)
+    br = 16 if kept.tile_n >= 256 else 32
+    with _device_guard(e.device):
+        _grad_from_e_kernel[(triton.cdiv(n, br), triton.cdiv(vocab, kept.tile_n))](
+            e,
+            e.stride(0),
+            out,
+            out.stride(0),
+            kept.partials,
+            target,
+            lse,
+            entropy,
+            *_vectors(upstream, lse),
+            n,
+            vocab,
+            params.ignore_index,
+            params.inv_temperature,
+            params.label_smoothing,
+            params.label_smoothing / vocab,
+            params.z_loss,
+            HAS_TEMPERATURE=params.inv_temperature != 1.0,
+            BR=br,
+            BN=kept.tile_n,
+            num_warps=4,
+            **_option_flags(params, upstream),
+        )
+    kept.e = None
+    return out
+
+
+def recompute_gradient(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    lse: torch.Tensor,
+    entropy: torch.Tensor,
+    params: TileParams,
+    grad_loss: torch.Tensor | None = None,
+    grad_logprob: torch.Tensor | None = None,
+    grad_entropy: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The logits gradient ``[rows, V]`` in ``x``'s dtype straight from the GEMM's epilogue (lse known)."""
+    n = x.shape[0]
+    out = torch.empty(n, params.vocab, dtype=x.dtype, device=x.device)
+    if n:
+        with _device_guard(x.device):
+            _gemm(
+                x,
+                weight,
+                bias,
+                target,
+                params,
+                MODE_GRAD,
+                out,
+                None,
+                None,
+                None,
+                lse,
+                entropy,
+                (grad_loss, grad_logprob, grad_entropy),
+            )
+    return out
+
+
+def _device_guard(device: torch.device):
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()

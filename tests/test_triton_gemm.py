@@ -1,0 +1,225 @@
+"""The GEMM-epilogue path (``hf_flce/backends/triton_gemm.py``) against the float64 reference.
+
+It serves 16-bit calls without softcap or class weights. Through the public API, every strategy of the engine that
+uses it is covered: the scalar loss (gradient from the stored ``e`` during forward), the per-token loss with ``e``
+kept for backward, and the per-token loss whose backward recomputes the GEMM with the gradient in its epilogue.
+Without a GPU the kernels run in the Triton interpreter (conftest sets it), with fp32 tile products.
+"""
+
+from unittest import mock
+
+import pytest
+import torch
+from test_triton_backend import DEVICE, assert_close, build, check, make_inputs
+
+import hf_flce
+from hf_flce import engine
+from hf_flce.backends import resolve_backend, triton_gemm
+from hf_flce.backends.base import TileParams
+from hf_flce.backends.torch_tiles import TorchTileOps
+from hf_flce.backends.triton_tiles import TritonTileOps
+
+FUSABLE = [(), ("smoothing",), ("z_loss",), ("temperature",), ("bias",), ("smoothing", "z_loss", "temperature", "bias")]
+# fp16 gradients: the stored e carries 11 bits, the gradient itself 11, and CPU fp16 GEMMs round their products
+TOL, GRAD_TOL = 2e-3, 1e-2
+
+
+@pytest.fixture
+def fused_calls():
+    """Counts the epilogue path's entry points (and fails the test if the engine never took it)."""
+    calls = {"forward": 0, "gradient": 0, "recompute_gradient": 0}
+
+    def spy(name):
+        real = getattr(triton_gemm, name)
+
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return real(*args, **kwargs)
+
+        return wrapper
+
+    with mock.patch.multiple(triton_gemm, **{name: spy(name) for name in calls}):
+        yield calls
+
+
+def half(hidden, weight, bias, dtype=torch.float16):
+    return [None if t is None else t.to(dtype) for t in (hidden, weight, bias)]
+
+
+@pytest.mark.parametrize("names", FUSABLE, ids=lambda c: "+".join(c) or "plain")
+@pytest.mark.parametrize(
+    "reduction, budget, path",
+    [("mean", None, "eager"), ("mean", 4096, "eager"), ("none", None, "kept"), ("none", 4096, "recompute")],
+    ids=["mean", "mean-chunks", "none-kept", "none-recompute"],
+)
+def test_engine_paths(names, reduction, budget, path, fused_calls):
+    hidden, weight, target, bias, opts = build(names, n=60, v=300)
+    check(
+        *half(hidden, weight, bias)[:2],
+        target,
+        half(hidden, weight, bias)[2],
+        tol=TOL,
+        grad_tol=GRAD_TOL,
+        stat_grads=reduction == "none",
+        reduction=reduction,
+        memory_budget=budget,
+        **opts,
+    )
+    assert fused_calls["forward"] >= (3 if budget else 1)
+    if path == "recompute":
+        assert fused_calls["recompute_gradient"] >= 3 and fused_calls["gradient"] == 0
+    else:
+        assert fused_calls["gradient"] >= 1 and fused_calls["recompute_gradient"] == 0
+
+
+def test_bf16_and_num_items(fused_calls):
+    hidden, weight, target, bias, opts = build(("smoothing", "bias"), n=16)
+    h, w, b = half(hidden, weight, bias, torch.bfloat16)
+    check(h, w, target, b, tol=1e-2, grad_tol=3e-2, num_items_in_batch=11, **opts)
+    assert fused_calls["forward"] == 1
+
+
+@pytest.mark.parametrize(
+    "n, v, ignore_every",
+    [(1, 257, 0), (2, 1, 0), (9, 33, 4), (16, 64, 3), (7, 31, 0)],
+    ids=["one-token", "one-class", "ragged-tile", "exact-tiles", "v-below-one-tile"],
+)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_odd_sizes(n, v, ignore_every, reduction, fused_calls):
+    hidden, weight, target, bias, opts = build(("smoothing", "bias"), n=n, v=v, ignore_every=ignore_every)
+    h, w, b = half(hidden, weight, bias)
+    check(h, w, target, b, tol=TOL, grad_tol=GRAD_TOL, stat_grads=True, reduction=reduction, **opts)
+    assert fused_calls["forward"] == 1
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_all_ignored(reduction):
+    hidden, weight, target, bias, opts = build(("z_loss",), n=6)
+    target = torch.full_like(target, -100)
+    h, w, b = half(hidden, weight, bias)
+    loss, stats, leaves = check(h, w, target, b, stat_grads=True, reduction=reduction, **opts)
+    assert not loss.abs().sum() and not stats["is_top1"].any()
+    assert torch.isfinite(leaves[1].grad).all()
+    assert not leaves[0].grad.abs().sum() and not leaves[1].grad.abs().sum()
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_without_compaction(reduction, fused_calls):
+    # Under torch.compile or CUDA graph capture every row is processed: the kernels must zero the ignored ones.
+    hidden, weight, target, bias, opts = build(("smoothing", "temperature"), n=18, ignore_every=3)
+    h, w, b = half(hidden, weight, bias)
+    with mock.patch.object(engine, "_can_compact", return_value=False):
+        check(h, w, target, b, tol=TOL, grad_tol=GRAD_TOL, stat_grads=True, reduction=reduction, **opts)
+    assert fused_calls["forward"] == 1
+
+
+def test_prob_weighted_and_second_backward(fused_calls):
+    hidden, weight, target, _, _ = build((), n=12)
+    h, w = (t.half().requires_grad_() for t in (hidden, weight))
+    ref_h, ref_w = (t.detach().double().requires_grad_() for t in (hidden, weight))
+    loss = hf_flce.fused_linear_cross_entropy(h, w, target, backend="triton", prob_weighted=True)
+    ref, _ = hf_flce.reference_linear_cross_entropy(ref_h, ref_w, target, prob_weighted=True)
+    assert_close(loss, ref, TOL, "loss")
+    loss.backward(retain_graph=True)
+    ref.backward()
+    first = (h.grad.clone(), w.grad.clone())
+    assert_close(first[0], ref_h.grad, GRAD_TOL, "dX")
+    assert_close(first[1], ref_w.grad, GRAD_TOL, "dW")
+    # the eager buffers were handed out: the second backward recomputes through the epilogue
+    h.grad = w.grad = None
+    loss.backward()
+    assert fused_calls["recompute_gradient"] == 1
+    assert_close(h.grad, ref_h.grad, GRAD_TOL, "dX (second backward)")
+    assert_close(w.grad, ref_w.grad, GRAD_TOL, "dW (second backward)")
+
+
+@pytest.mark.parametrize("names", [("softcap",), ("class_weight",)])
+def test_unsupported_options_take_the_tile_path(names, fused_calls):
+    hidden, weight, target, bias, opts = build(names, n=10)
+    h, w, b = half(hidden, weight, bias)
+    check(h, w, target, b, tol=TOL, grad_tol=GRAD_TOL, stat_grads=True, **opts)
+    assert fused_calls["forward"] == 0
+
+
+def test_switch():
+    assert TritonTileOps(gemm_epilogue=False).fused_head is None
+    assert TritonTileOps(gemm_epilogue=True).fused_head is triton_gemm
+    with mock.patch.dict("os.environ", {"HF_FLCE_GEMM_EPILOGUE": "0"}):
+        assert TritonTileOps().fused_head is None
+    assert resolve_backend("triton", DEVICE).fused_head is not None or DEVICE.type == "cuda"
+
+
+# --- the kernels directly, float32 operands (float64 reference) ---------------------------------------------------
+
+
+def params_for(v, smoothing=0.0, z_loss=0.0, temperature=1.0):
+    return TileParams(v, -100, smoothing, z_loss, None, 1.0 / temperature, None, None)
+
+
+@pytest.mark.parametrize("v", [1, 31, 32, 100])
+@pytest.mark.parametrize("opts", [{}, dict(smoothing=0.1, z_loss=1e-3, temperature=0.6)], ids=["plain", "options"])
+def test_kernel_stats_and_gradients(v, opts):
+    hidden, weight, target, bias = make_inputs(13, 24, v, bias=True, ignore_every=4, seed=v)
+    params = params_for(v, **opts)
+    logits = (hidden.double() @ weight.double().T + bias.double()).float()
+    ref = TorchTileOps().forward(logits, target, params)
+    stats, kept = triton_gemm.forward(hidden, weight, bias, target, params, keep=True)
+    for name in ("loss", "lse", "logprob", "entropy", "mean_logit", "log_sum_sq_probs"):
+        assert_close(getattr(stats, name), getattr(ref, name), 1e-5, name)
+    assert torch.equal(stats.is_top1, ref.is_top1)
+
+    gen = torch.Generator().manual_seed(v)
+    upstream = [torch.randn(13, generator=gen).to(DEVICE) for _ in range(3)]
+    expected = torch.empty_like(logits)
+    TorchTileOps().backward(logits, target, ref.lse, ref.entropy, params, *upstream, expected)
+    recomputed = triton_gemm.recompute_gradient(
+        hidden, weight, bias, target, stats.lse, stats.entropy, params, *upstream
+    )
+    assert_close(recomputed, expected, 1e-5, "gradient from the epilogue")
+    # e is stored in fp16 (11 bits)
+    from_kept = triton_gemm.gradient(kept, target, stats.lse, stats.entropy, params, torch.float32, *upstream)
+    assert_close(from_kept, expected, 2e-3, "gradient from the kept e")
+    assert kept.e is None
+
+
+def test_kernel_first_argmax_across_tiles():
+    # Vocabulary rows 10 and 65 are identical (different tiles) and give row 0 its max: a tie. As with
+    # torch.argmax, the first index wins, so target 65 is not top-1 and target 10 is.
+    hidden, weight, target, _ = make_inputs(4, 8, 70, ignore_every=0)
+    weight[10] = hidden[0] * 5.0
+    weight[65] = weight[10]
+    target[0], target[1] = 65, 10
+    weight[11] = hidden[2] * 5.0
+    target[2] = 11
+    logits = hidden.double() @ weight.double().T
+    stats, _ = triton_gemm.forward(hidden, weight, None, target, params_for(70), keep=False)
+    assert not stats.is_top1[0] and stats.is_top1[2]
+    assert torch.equal(stats.is_top1, logits.argmax(-1) == target)
+
+
+def test_peaked_rows_keep_fp32_accuracy():
+    # Each row's target logit ~40 above the others: from the float32 tile, p_y - 1 and the lse come out to float32
+    # precision (stock HF's bf16 logits would be off by ~0.1 here).
+    hidden, weight, target, _ = make_inputs(6, 16, 90, ignore_every=0)
+    target = torch.tensor([3, 17, 40, 41, 70, 89], device=DEVICE)
+    weight[target] = hidden * 2.5
+    params = params_for(90)
+    logits = (hidden.double() @ weight.double().T).float()
+    assert (logits.gather(1, target[:, None]) - logits.max(1, keepdim=True).values).min() > -1e-3
+    ref = TorchTileOps().forward(logits, target, params)
+    stats, kept = triton_gemm.forward(hidden, weight, None, target, params, keep=True)
+    assert_close(stats.loss, ref.loss, 1e-6, "loss")
+    ones = torch.ones(6, device=DEVICE)
+    grad = triton_gemm.gradient(kept, target, stats.lse, stats.entropy, params, torch.float32, ones)
+    expected = torch.empty_like(logits)
+    TorchTileOps().backward(logits, target, ref.lse, ref.entropy, params, ones, None, None, expected)
+    assert_close(grad, expected, 1e-6, "gradient")
+
+
+def test_memory_accounting():
+    # e in 16 bits, plus five float32 partials and an int32 argmax per tile of the narrowest configured width
+    narrowest = min(c.kwargs["BN"] for c in triton_gemm._head_gemm_kernel.configs)
+    for v in (1, 100, 128256):
+        tiles = -(-v // narrowest)
+        assert triton_gemm.partial_bytes_per_row(v) == tiles * 24
+        assert triton_gemm.bytes_per_logit(v) == 2 + tiles * 24 / v
