@@ -10,6 +10,9 @@
 3. ``kernels``: torch.profiler's CUDA time per kernel family for one fwd+bwd at the default budget.
 4. ``sweep``: the three tile passes (statistics, forward with gradient, backward) for several (block, num_warps) at
    a few chunk sizes: the data behind ``launch_config``.
+5. ``epilogue``: the logits GEMM with the softmax in its epilogue (``backends/triton_gemm.py``) against cuBLAS at
+   the same shape (statistics only, statistics + stored e, gradient pass, gradient from the epilogue, the autotuned
+   tile), and the engine with it on and off: fwd+bwd, no-grad forward and the per-token path, each ÷ its floor.
 """
 
 from __future__ import annotations
@@ -24,11 +27,18 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import hf_flce  # noqa: E402
+from hf_flce.backends import resolve_backend, triton_gemm  # noqa: E402
 from hf_flce.backends.base import TileParams  # noqa: E402
 from hf_flce.backends.triton_tiles import TritonTileOps, launch_config  # noqa: E402
 from hf_flce.engine import plan_chunk_rows  # noqa: E402
 
-SHAPES = {"llama3-8b": (8192, 4096, 128256), "qwen3-0.6b": (16384, 1024, 151936), "mistral-7b": (8192, 4096, 32768)}
+SHAPES = {
+    "llama3-8b": (8192, 4096, 128256),
+    "qwen3-0.6b": (16384, 1024, 151936),
+    "mistral-7b": (8192, 4096, 32768),
+    "qwen2.5-7b": (8192, 3584, 152064),
+    "gemma2-2b": (8192, 2304, 256000),
+}
 BUDGETS_MIB = (256, 512, 1024, 2048, 4096)
 GiB = 1 << 30
 
@@ -200,12 +210,116 @@ def kernel_breakdown(name: str) -> dict:
             if any(s in key for s in ("gemm", "cutlass", "sm90", "xmma", "nvjet"))
             else "triton tiles"
             if "_tile_kernel" in key
+            else "epilogue gemm"
+            if "_head_gemm_kernel" in key
+            else "gradient pass"
+            if "_grad_from_e" in key
+            else "merge"
+            if "_merge_kernel" in key
             else "other: " + evt.key[:60]
         )
         families[family] = families.get(family, 0.0) + us / 1e3
     top = dict(sorted(families.items(), key=lambda kv: -kv[1])[:12])
     print(f"{name:>11} kernels (ms): " + ", ".join(f"{k} {t:.2f}" for k, t in top.items()), flush=True)
     return dict(shape=name, ms_by_family=top)
+
+
+def _extra_gib(fn) -> float:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    grads = sum(t.numel() * t.element_size() for t in out if isinstance(t, torch.Tensor)) if out else 0
+    return (peak - grads) / GiB
+
+
+def _check_tma() -> None:
+    """Drops the TMA tile configurations if this Triton cannot compile them."""
+    kernel = triton_gemm._head_gemm_kernel
+    x, w, y = inputs(256, 256, 1000)
+    params = TileParams(1000, -100, 0.0, 0.0, None, 1.0, None, None)
+    saved = list(kernel.configs)
+    try:
+        kernel.configs[:] = [c for c in saved if c.kwargs["USE_TMA"]]
+        if kernel.configs:
+            triton_gemm.forward(x.detach(), w.detach(), None, y, params, keep=False)
+        kernel.configs[:] = saved
+        print(f"TMA configurations compile ({sum(c.kwargs['USE_TMA'] for c in saved)})", flush=True)
+    except Exception as exc:  # noqa: BLE001
+        kernel.configs[:] = [c for c in saved if not c.kwargs["USE_TMA"]]
+        print(f"TMA configurations dropped: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+    kernel.cache.clear()
+
+
+def epilogue(name: str) -> dict:
+    """The epilogue GEMM's kernels against cuBLAS, and the engine with the epilogue path on and off."""
+    n, h, v = SHAPES[name]
+    x, w, y = inputs(n, h, v)
+    xd, wd = x.detach(), w.detach()
+    one = timed(lambda: torch.mm(xd, wd.T))
+    one_f32 = timed(lambda: torch.mm(xd, wd.T, out_dtype=torch.float32))
+    floor = floor_ms(n, h, v)
+    params = TileParams(v, -100, 0.0, 0.0, None, 1.0, None, None)
+    row = dict(shape=name, n=n, h=h, v=v, gemm_ms=one, gemm_fp32_out_ms=one_f32, floor_ms=floor)
+    kernel = triton_gemm._head_gemm_kernel
+    row["stats_ms"] = timed(lambda: triton_gemm.forward(xd, wd, None, y, params, keep=False))
+    row["stats_config"] = str(kernel.best_config)
+    timings = getattr(kernel, "configs_timings", None) or {}
+    row["stats_config_ms"] = {str(c): (t[0] if isinstance(t, (list, tuple)) else t) for c, t in timings.items()}
+    row["keep_ms"] = timed(lambda: triton_gemm.forward(xd, wd, None, y, params, keep=True))
+    row["keep_config"] = str(kernel.best_config)
+    stats, kept = triton_gemm.forward(xd, wd, None, y, params, keep=True)
+    e = kept.e
+    scale = torch.full((n,), 1.0 / n, device="cuda")
+
+    def grad_pass():
+        kept.e = e  # the pass consumes e (values are irrelevant to the timing)
+        triton_gemm.gradient(kept, y, stats.lse, stats.entropy, params, torch.bfloat16, scale)
+
+    row["grad_pass_ms"] = timed(grad_pass)
+    row["grad_pass_tb_s"] = n * v * 4 / row["grad_pass_ms"] / 1e9
+    row["recompute_grad_ms"] = timed(
+        lambda: triton_gemm.recompute_gradient(xd, wd, None, y, stats.lse, stats.entropy, params, scale)
+    )
+    row["recompute_config"] = str(kernel.best_config)
+    tiles = resolve_backend("triton", torch.device("cuda"))
+    saved = tiles.fused_head
+    g = torch.randn(n, device="cuda")
+
+    def fwd_bwd():
+        return torch.autograd.grad(hf_flce.fused_linear_cross_entropy(x, w, y), (x, w))
+
+    def pertoken():
+        loss, stats = hf_flce.fused_linear_cross_entropy(x, w, y, reduction="none", return_stats=True)
+        return torch.autograd.grad((loss * g).sum() + (stats.logprobs * g).sum(), (x, w))
+
+    def no_grad():
+        with torch.no_grad():
+            hf_flce.fused_linear_cross_entropy(x, w, y)
+
+    try:
+        for label, head in (("on", saved or triton_gemm), ("off", None)):
+            tiles.fused_head = head
+            row[f"fwd_bwd_{label}_ms"] = timed(fwd_bwd)
+            row[f"fwd_bwd_{label}_extra_gib"] = _extra_gib(fwd_bwd)
+            row[f"pertoken_{label}_ms"] = timed(pertoken)
+            row[f"no_grad_{label}_ms"] = timed(no_grad)
+            torch.cuda.empty_cache()
+    finally:
+        tiles.fused_head = saved
+    print(
+        f"{name:>11} cuBLAS {one:.2f} ms (fp32 out {one_f32:.2f}); epilogue stats {row['stats_ms'] / one:.3f}x, "
+        f"+e {row['keep_ms'] / one:.3f}x, grad pass {row['grad_pass_ms']:.2f} ms ({row['grad_pass_tb_s']:.2f} TB/s), "
+        f"grad epilogue {row['recompute_grad_ms'] / one:.3f}x | fwd+bwd on {row['fwd_bwd_on_ms'] / floor:.3f}x / off "
+        f"{row['fwd_bwd_off_ms'] / floor:.3f}x floor, extra {row['fwd_bwd_on_extra_gib']:.2f} / "
+        f"{row['fwd_bwd_off_extra_gib']:.2f} GiB; no-grad on {row['no_grad_on_ms'] / one:.3f}x / off "
+        f"{row['no_grad_off_ms'] / one:.3f}x GEMM; per-token on {row['pertoken_on_ms'] / floor:.3f}x / off "
+        f"{row['pertoken_off_ms'] / floor:.3f}x floor | configs {row['stats_config']} / {row['keep_config']}",
+        flush=True,
+    )
+    return row
 
 
 def main() -> None:
@@ -218,7 +332,15 @@ def main() -> None:
         sys.exit("profile_head.py needs a CUDA GPU")
     torch.backends.cuda.matmul.allow_tf32 = False
     sections = args.sections.split(",")
-    result = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, budget=[], tiles=[], kernels=[], sweep=[])
+    result = dict(
+        gpu=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        budget=[],
+        tiles=[],
+        kernels=[],
+        sweep=[],
+        epilogue=[],
+    )
     for name in args.shapes.split(","):
         if "budget" in sections:
             result["budget"] += budget_sweep(name)
@@ -226,6 +348,10 @@ def main() -> None:
             result["tiles"] += tile_pass(name)
         if "kernels" in sections:
             result["kernels"].append(kernel_breakdown(name))
+        if "epilogue" in sections:
+            if not result["epilogue"]:
+                _check_tma()
+            result["epilogue"].append(epilogue(name))
         torch.cuda.empty_cache()
     if "sweep" in sections:
         for vocab in (128256, 151936):

@@ -40,18 +40,44 @@ _N_STATS = 5  # m, sum e, sum e (t - m), sum e**2, sum t
 
 def _configs():
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
-        return [triton.Config({"BM": 16, "BN": 32, "BK": 16, "GROUP_M": 4}, num_warps=4, num_stages=1)]
+        return [
+            triton.Config({"BM": 16, "BN": 32, "BK": 16, "GROUP_M": 4, "USE_TMA": False}, num_warps=4, num_stages=1)
+        ]
+    plain = (
+        (128, 128, 64, 8, 3),
+        (128, 256, 64, 8, 3),
+        (256, 128, 64, 8, 3),
+        (128, 128, 64, 4, 3),
+        (64, 128, 64, 4, 4),
+    )
+    tma = ((128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (256, 128, 64, 8, 3))
     return [
-        triton.Config({"BM": bm, "BN": bn, "BK": bk, "GROUP_M": 8}, num_warps=w, num_stages=s)
-        for bm, bn, bk, w, s in (
-            (128, 128, 64, 8, 4),
-            (128, 256, 64, 8, 3),
-            (128, 128, 64, 4, 4),
-            (128, 128, 128, 8, 3),
-            (64, 256, 64, 4, 4),
-            (256, 128, 64, 8, 3),
-        )
+        triton.Config({"BM": bm, "BN": bn, "BK": bk, "GROUP_M": 8, "USE_TMA": use_tma}, num_warps=w, num_stages=s)
+        for use_tma, table in ((False, plain), (True, tma))
+        for bm, bn, bk, w, s in table
     ]
+
+
+def _tma_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """TMA tile loads (device-side tensor descriptors): Hopper or newer, 16-byte aligned rows and bases."""
+    if (
+        os.environ.get("HF_FLCE_GEMM_TMA", "1") == "0"
+        or x.device.type != "cuda"
+        or not hasattr(tl, "make_tensor_descriptor")
+    ):
+        return False
+    if torch.cuda.get_device_capability(x.device)[0] < 9:
+        return False
+    return all(t.stride(0) * t.element_size() % 16 == 0 and t.data_ptr() % 16 == 0 for t in (x, weight))
+
+
+def _prune_configs(configs, named_args, **kwargs):
+    keep_tma = _tma_usable(named_args["x_ptr"], named_args["w_ptr"])
+    return [c for c in configs if keep_tma or not c.kwargs["USE_TMA"]]
+
+
+def _tma_scratch(size: int, alignment: int, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 @triton.jit
@@ -101,7 +127,7 @@ def _row_coefs(
     return p_coef, onehot_coef, smooth_coef, g_entropy
 
 
-@triton.autotune(configs=_configs(), key=["V", "K", "MODE"])
+@triton.autotune(configs=_configs(), key=["V", "K", "MODE"], prune_configs_by={"early_config_prune": _prune_configs})
 @triton.jit
 def _head_gemm_kernel(
     x_ptr,
@@ -140,10 +166,12 @@ def _head_gemm_kernel(
     HAS_SMOOTHING: tl.constexpr,
     HAS_ZLOSS: tl.constexpr,
     UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
     GROUP_M: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     """One [BM, BN] tile of t = (x W^T + b) / temperature, reduced in the epilogue (see the module docstring)."""
     pid = tl.program_id(0)
@@ -162,19 +190,28 @@ def _head_gemm_kernel(
     row_ok = rows < N
     col_ok = cols < V
     # Out-of-range rows and columns read row 0 (in bounds); their results are masked at the end.
-    x_ptrs = x_ptr + tl.where(row_ok, rows, 0).to(tl.int64)[:, None] * stride_xn + ks[None, :]
-    w_ptrs = w_ptr + tl.where(col_ok, cols, 0).to(tl.int64)[:, None] * stride_wv + ks[None, :]
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k in range(0, K, BK):
-        k_ok = (k + ks) < K
-        a = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
-        b = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
-        if UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, tl.trans(b), acc)
-        x_ptrs += BK
-        w_ptrs += BK
+    if USE_TMA:
+        # TMA: the copy engine fetches the tiles (out-of-range rows and columns come back as zeros)
+        x_desc = tl.make_tensor_descriptor(x_ptr, shape=[N, K], strides=[stride_xn, 1], block_shape=[BM, BK])
+        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[V, K], strides=[stride_wv, 1], block_shape=[BN, BK])
+        for k in range(0, K, BK):
+            a = x_desc.load([pid_m * BM, k])
+            b = w_desc.load([pid_n * BN, k])
+            acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PRECISION)
+    else:
+        x_ptrs = x_ptr + tl.where(row_ok, rows, 0).to(tl.int64)[:, None] * stride_xn + ks[None, :]
+        w_ptrs = w_ptr + tl.where(col_ok, cols, 0).to(tl.int64)[:, None] * stride_wv + ks[None, :]
+        for k in range(0, K, BK):
+            k_ok = (k + ks) < K
+            a = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
+            b = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
+            if UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PRECISION)
+            x_ptrs += BK
+            w_ptrs += BK
 
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -460,6 +497,9 @@ def _option_flags(params: TileParams, upstream) -> dict:
 
 def _gemm(x, weight, bias, target, params, mode, out, partials, best, t_y, lse, entropy, upstream):
     n, k = x.shape
+    if _tma_usable(x, weight):
+        # device-side tensor descriptors live in scratch memory that Triton asks its allocator for
+        triton.set_allocator(_tma_scratch)
     spare = partials if partials is not None else lse
     _head_gemm_kernel[lambda meta: (triton.cdiv(n, meta["BM"]) * triton.cdiv(params.vocab, meta["BN"]),)](
         x,
@@ -488,6 +528,8 @@ def _gemm(x, weight, bias, target, params, mode, out, partials, best, t_y, lse, 
         HAS_BIAS=bias is not None,
         HAS_TEMPERATURE=params.inv_temperature != 1.0,
         UPCAST=x.device.type == "cpu",
+        # float32 operands (tests) get exact products, not TF32; 16-bit ones use the tensor cores either way
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         **_option_flags(params, (None, None, None) if mode != MODE_GRAD else upstream),
     )
 
