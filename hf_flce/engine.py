@@ -52,9 +52,14 @@ def mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.mm(a, b).float()
 
 
-def compute_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def compute_logits(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, keep_16bit: bool = False
+) -> torch.Tensor:
     """``x W^T + b`` in float32, so the logits are never rounded to 16 bits before the softmax (stock HF rounds
-    them, which costs accuracy on peaked distributions)."""
+    them, which costs accuracy on peaked distributions). ``keep_16bit`` (see ``_logits_16bit``): the 16-bit GEMM
+    output as it is, where a float32 result would only be its upcast copy."""
+    if keep_16bit:
+        return torch.mm(x, weight.t())
     if bias is not None and x.dtype == torch.float32 and bias.dtype == torch.float32:
         return torch.addmm(bias, x, weight.t())
     logits = mm_fp32(x, weight.t())
@@ -63,12 +68,33 @@ def compute_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return logits
 
 
+def dw_product(grad_logits: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``grad_logits^T x`` in float32 with nothing rounded to 16 bits: the first chunk of a dW accumulator (CPU:
+    ``mm_fp32`` would round it to 16 bits, so the operands are upcast as in ``accumulate_dw``)."""
+    if _fp32_out(x) or x.dtype == torch.float32:
+        return mm_fp32(grad_logits.t(), x)
+    return torch.mm(grad_logits.t().float(), x.float())
+
+
 def accumulate_dw(acc: torch.Tensor, grad_logits: torch.Tensor, x: torch.Tensor) -> None:
     """``acc += grad_logits^T x`` with ``acc`` float32: summing chunk products in bf16 biases training."""
     if _fp32_out(x):
         torch.addmm(acc, grad_logits.t(), x, out_dtype=torch.float32, out=acc)
     else:
         acc.addmm_(grad_logits.t().float(), x.float())
+
+
+def _logits_16bit(plan: CallPlan, x: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether the chunk's logits stay in the GEMM's 16-bit dtype. CPU torch has no 16-bit GEMM with a float32
+    output, so there ``mm_fp32`` rounds the logits to 16 bits before upcasting them anyway: a backend that takes 16-bit
+    logits (``cpu_16bit_logits``) gets them without that float32 copy, and writes the gradient over them."""
+    dtype = plan.compute_dtype or x.dtype
+    return (
+        getattr(plan.tiles, "cpu_16bit_logits", False)
+        and x.device.type == "cpu"
+        and bias is None
+        and dtype in (torch.bfloat16, torch.float16)
+    )
 
 
 def _can_compact() -> bool:
@@ -152,7 +178,7 @@ class _GradBuffers:
                 self.dx[start:end] = mm_fp32(grad_logits, self.weight)
         if self.need_dw:
             if self.dw is None and (not self.single or self.weight_dtype == torch.float32):
-                self.dw = mm_fp32(grad_logits.t(), x_chunk)  # the first chunk initialises the accumulator
+                self.dw = dw_product(grad_logits, x_chunk)  # the first chunk initialises the accumulator
             elif self.single:
                 self.dw = grad_logits.t() @ x_chunk
             else:
@@ -184,20 +210,31 @@ class _GradBuffers:
 
 
 def _grad_buffer(logits: torch.Tensor, dtype: torch.dtype, tiles: TileOps) -> torch.Tensor:
-    """Where the tile pass writes the logits gradient: over the float32 logits themselves, or for a 16-bit gradient
-    over the second half of each float32 row when the backend allows it (the GEMMs read it with a row stride of 2V),
-    else a new buffer."""
-    if dtype == torch.float32:
+    """Where the tile pass writes the logits gradient: over the logits themselves when they have its dtype, or for
+    a 16-bit gradient over the second half of each float32 row when the backend allows it (the GEMMs read it with a
+    row stride of 2V), else a new buffer."""
+    if dtype == logits.dtype:
         return logits
     if getattr(tiles, "grad_in_row_tail", False):
         return logits.view(dtype)[:, logits.shape[1] :]
     return torch.empty(logits.shape, dtype=dtype, device=logits.device)
 
 
-def _bytes_per_logit(plan: CallPlan, grad_dtype: torch.dtype | None) -> int:
-    """Chunk bytes per logit: float32 logits, backend scratch, and a separate 16-bit gradient if one is needed."""
+def _bytes_per_logit(plan: CallPlan, grad_dtype: torch.dtype | None, logits_16bit: bool = False) -> int:
+    """Chunk bytes per logit: float32 logits, backend scratch, and a separate 16-bit gradient if one is needed. 16-bit
+    logits take their own bytes only: the gradient overwrites them, and such a backend's scratch is per row block."""
+    if logits_16bit:
+        return 2
     separate_grad = grad_dtype not in (None, torch.float32) and not getattr(plan.tiles, "grad_in_row_tail", False)
     return 4 + plan.tiles.scratch_bytes_per_logit + (grad_dtype.itemsize if separate_grad else 0)
+
+
+def _plan_rows(plan: CallPlan, n_rows: int, vocab: int, hidden: int, per_logit, accumulates_dw: bool, logits_16bit):
+    chunk = plan_chunk_rows(n_rows, vocab, hidden, per_logit, plan.budget, accumulates_dw)
+    if logits_16bit and accumulates_dw and chunk < n_rows:
+        # several chunks: accumulate_dw upcasts each chunk's 16-bit gradient (CPU has no float32-output GEMM)
+        chunk = plan_chunk_rows(n_rows, vocab, hidden, per_logit + 4, plan.budget, accumulates_dw)
+    return chunk
 
 
 def _chunk_rows(x: torch.Tensor, rows: torch.Tensor | None, start: int, end: int, plan: CallPlan) -> torch.Tensor:
@@ -229,10 +266,10 @@ def _chunk_forward(x_chunk, w_c, bias, ys, plan: CallPlan, fused, scale, eager: 
     if fused is not None:
         stats, kept = fused.forward(x_chunk, w_c, bias, ys, plan.params, keep=eager or keep)
     else:
-        kept = compute_logits(x_chunk, w_c, bias)
+        kept = compute_logits(x_chunk, w_c, bias, _logits_16bit(plan, x_chunk, bias))
     grad_out = prob = None
     if fused is None and eager and not plan.prob_weighted:
-        # statistics and gradient in one pass over the float32 logits
+        # statistics and gradient in one pass over the logits
         grad_out = _grad_buffer(kept, x_chunk.dtype, plan.tiles)
         stats = plan.tiles.forward(kept, ys, plan.params, grad_scale=scale, grad_out=grad_out)
     elif fused is None:
@@ -274,13 +311,14 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
 
         eager = need_grad and plan.reduction == "scalar"
         fused = _fused_head(plan, x, w_c, bias)
+        logits_16bit = fused is None and _logits_16bit(plan, x, bias)
         if fused is not None:
             per_logit = fused.bytes_per_logit(vocab)
             kept_per_logit = per_logit
         else:
-            per_logit = _bytes_per_logit(plan, (plan.compute_dtype or x.dtype) if eager else None)
-            kept_per_logit = 4
-        chunk = plan_chunk_rows(n_valid, vocab, x.shape[1], per_logit, plan.budget, eager and need_dw)
+            per_logit = _bytes_per_logit(plan, (plan.compute_dtype or x.dtype) if eager else None, logits_16bit)
+            kept_per_logit = 2 if logits_16bit else 4
+        chunk = _plan_rows(plan, n_valid, vocab, x.shape[1], per_logit, eager and need_dw, logits_16bit)
         n_chunks = max(1, -(-n_valid // chunk))
         keep_logits = (
             need_grad and not eager and n_valid > 0 and n_valid * vocab * kept_per_logit <= _keep_limit(plan, x.device)
@@ -411,11 +449,12 @@ def _recompute_grads(
     n_valid = ys.shape[0]
     w_c = compute_operand(weight, plan)
     fused = _fused_head(plan, x, w_c, bias)
+    logits_16bit = fused is None and _logits_16bit(plan, x, bias)
     if fused is not None:
         per_logit = x.dtype.itemsize if plan.compute_dtype is None else plan.compute_dtype.itemsize
     else:
-        per_logit = _bytes_per_logit(plan, plan.compute_dtype or x.dtype)
-    chunk = plan_chunk_rows(n_valid, weight.shape[0], x.shape[1], per_logit, plan.budget, need_dw)
+        per_logit = _bytes_per_logit(plan, plan.compute_dtype or x.dtype, logits_16bit)
+    chunk = _plan_rows(plan, n_valid, weight.shape[0], x.shape[1], per_logit, need_dw, logits_16bit)
     if kept is not None:
         chunk = max(n_valid, 1)
     n_chunks = max(1, -(-n_valid // chunk))
@@ -432,7 +471,9 @@ def _recompute_grads(
                 x_chunk, w_c, bias, ys[sl], lse_v[sl], ent_v[sl], plan.params, *upstream
             )
         else:
-            logits = kept if kept is not None else compute_logits(x_chunk, w_c, bias)
+            logits = kept
+            if logits is None:
+                logits = compute_logits(x_chunk, w_c, bias, _logits_16bit(plan, x_chunk, bias))
             grad_out = _grad_buffer(logits, x_chunk.dtype, plan.tiles)
             plan.tiles.backward(logits, ys[sl], lse_v[sl], ent_v[sl], plan.params, *upstream, grad_out)
             del logits

@@ -2,8 +2,9 @@
 
 The driver does the GEMMs (cuBLAS, torch_npu or CPU BLAS through ``torch.mm``), the chunking and autograd. A backend
 only does the passes over one chunk of logits, ``[rows, V]``: the statistics and loss of each row, and the gradient of
-the logits. Row ``i`` of a chunk holds raw logits ``z = x_i W^T + b`` in float32; the backend applies softcap and
-temperature itself, so that every backend transforms the logits the same way.
+the logits. Row ``i`` of a chunk holds raw logits ``z = x_i W^T + b`` in float32 (on CPU, in the GEMM's 16-bit dtype
+for a backend with ``cpu_16bit_logits``); the backend applies softcap and temperature itself, so that every backend
+transforms the logits the same way.
 
 Gradient of one row (``t`` the transformed logits, ``p = softmax(t)``, ``w`` the class weights, ``eps`` the label
 smoothing, ``y`` the target):
@@ -60,6 +61,9 @@ class TileOps(Protocol):
     # forward to backward (default: the chunk budget).
     # Optional: ``grad_in_row_tail = True`` when ``grad_out`` may be a 16-bit view of the second half of each float32
     # logits row (``logits.view(bf16)[:, V:]``): the pass must then read each element before writing over it.
+    # Optional: ``cpu_16bit_logits = True`` when on CPU the logits may be the 16-bit output of the GEMM itself (CPU
+    # torch has no 16-bit GEMM with a float32 output, so a float32 copy would hold the same values), with ``grad_out``
+    # then the logits themselves; the backend's scratch must not grow with the chunk there (it is not budgeted).
     # Optional: ``scale_into(src, scale, out) -> out``, ``out = src * scale`` with a float32 0-d ``scale``, for the
     # final scaling of the gradients (default: ``torch.mul``).
 

@@ -1,4 +1,9 @@
-"""Pure-PyTorch tile passes: run on any device, and define the behaviour the kernels must match."""
+"""Pure-PyTorch tile passes: run on any device, and define the behaviour the kernels must match.
+
+On CPU a chunk is processed in blocks of rows small enough to stay in cache (``_CPU_BLOCK_ELEMS``), through scratch
+buffers allocated once per chunk: the chain of elementwise passes over a block then reads the logits from memory once,
+and no pass allocates (a fresh multi-MiB buffer per op costs its page faults). Elsewhere a block is the whole chunk.
+"""
 
 from __future__ import annotations
 
@@ -6,35 +11,107 @@ import torch
 
 from .base import TileParams, TileStats
 
+# float32 elements of one CPU row block (4 MiB per scratch buffer; 32 rows at V = 32k timed best on 2 cores)
+_CPU_BLOCK_ELEMS = 1 << 20
+_LOG2_E = 1.4426950408889634
+
+
+def _blocked(t: torch.Tensor) -> bool:
+    """CPU: row blocks, exp2, no argmax pass (see the module docstring); elsewhere whole-chunk passes."""
+    return t.device.type == "cpu"
+
+
+def _compute_dtype(logits: torch.Tensor) -> torch.dtype:
+    """16-bit logits are computed on in float32 (float32 and float64 ones in their own dtype)."""
+    return torch.promote_types(logits.dtype, torch.float32)
+
+
+class _Blocks:
+    """Row blocks of a ``[rows, V]`` chunk, each with the scratch buffers asked for (None where ``needed`` is
+    False): ``t`` (the transformed logits, or the float32 copy of 16-bit ones), ``tanh`` (softcap), ``e`` (the
+    softmax numerator, the gradient is written over it) and ``tmp``."""
+
+    def __init__(self, logits: torch.Tensor, params: TileParams, tmp: bool):
+        rows, vocab = logits.shape
+        cpu = _blocked(logits)
+        self.step = max(1, min(rows, _CPU_BLOCK_ELEMS // max(vocab, 1))) if cpu else max(rows, 1)
+        self.rows = rows
+        transformed = params.softcap is not None or params.inv_temperature != 1.0
+        needed = (
+            transformed or logits.dtype != _compute_dtype(logits),
+            params.softcap is not None,
+            True,
+            tmp or cpu,
+        )
+        shape = (min(rows, self.step), vocab)
+        kw = dict(dtype=_compute_dtype(logits), device=logits.device)
+        self.buffers = [torch.empty(shape, **kw) if need else None for need in needed]
+
+    def __iter__(self):
+        for start in range(0, self.rows, self.step):
+            end = min(start + self.step, self.rows)
+            yield slice(start, end), [None if buf is None else buf[: end - start] for buf in self.buffers]
+
+
+def _exp_shifted(t: torch.Tensor, shift: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``exp(t - shift[:, None])`` into ``out``. On CPU as ``exp2((t - shift) log2(e))``, about 3x cheaper there
+    than exp, to a few float32 ulp. The difference is taken first, so it is exactly 0 at ``t == shift`` (the row max
+    gives exactly 1, and the log-sum-exp is never below the max)."""
+    torch.sub(t, shift[:, None], out=out)
+    if not _blocked(t):
+        return out.exp_()
+    return out.mul_(_LOG2_E).exp2_()
+
+
+def _row_dot(a: torch.Tensor, b: torch.Tensor, scratch: torch.Tensor | None) -> torch.Tensor:
+    """``sum_j a_ij b_ij`` per row: on CPU through ``scratch`` (bmm is slow there), else a batched dot product."""
+    if scratch is None:
+        return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
+    return torch.mul(a, b, out=scratch).sum(dim=1)
+
+
+def _is_top1(t, row_max, target_logit, target, scratch) -> torch.Tensor:
+    """``t.argmax(dim=1) == target`` (the first index wins a tie; NaN counts as the max, as argmax has it). On CPU
+    argmax is a slow unvectorised pass, so only rows whose target logit equals the row max are looked at: those
+    holding that max once are hits, and argmax decides the rest (ties, NaN rows)."""
+    if not _blocked(t):
+        return t.argmax(dim=1) == target
+    hit = target_logit == row_max
+    candidates = (hit | torch.isnan(row_max)).nonzero().squeeze(1)
+    if candidates.numel() == 0:
+        return hit
+    sub = t.index_select(0, candidates)
+    count = torch.eq(sub, row_max[candidates, None], out=scratch[: candidates.numel()]).sum(dim=1)
+    unsure = (count != 1).nonzero().squeeze(1)
+    if unsure.numel():
+        hit[candidates[unsure]] = sub.index_select(0, unsure).argmax(dim=1) == target[candidates[unsure]]
+    return hit
+
 
 class TorchTileOps:
     name = "torch"
-    # t (or tanh), p, and one temporary of the same size
+    # Scratch per logit: on CPU none that grows with the chunk (three row-block buffers, a few MiB); elsewhere t
+    # (or tanh), exp(t - max) and one temporary of the chunk's size.
     scratch_bytes_per_logit = 12
+    # The gradient of a block is written only after the block's logits were read (see base.py).
+    grad_in_row_tail = True
+    # On CPU, 16-bit logits are taken as they are and promoted to float32 one row block at a time (see base.py).
+    cpu_16bit_logits = True
 
-    def _transform(self, logits: torch.Tensor, params: TileParams) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Returns the transformed logits ``t`` and, with a softcap, ``tanh(z / softcap)`` for the chain rule."""
+    def _transform(
+        self, logits: torch.Tensor, params: TileParams, out: torch.Tensor | None = None, tanh_out=None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Returns the transformed logits ``t`` (in ``out`` when given; untransformed float32 logits as they are)
+        and, with a softcap, ``tanh(z / softcap)`` for the chain rule (in ``tanh_out``). 16-bit logits are
+        promoted to float32 first."""
+        if logits.dtype != _compute_dtype(logits):
+            logits = logits.to(_compute_dtype(logits)) if out is None else out.copy_(logits)
         if params.softcap is None:
             if params.inv_temperature == 1.0:
                 return logits, None
-            return logits * params.inv_temperature, None
-        tanh = torch.tanh(logits / params.softcap)
-        return tanh * (params.softcap * params.inv_temperature), tanh
-
-    def _row_stats(self, t: torch.Tensor, target: torch.Tensor, params: TileParams):
-        valid = target != params.ignore_index
-        safe_target = torch.where(valid, target, 0)
-        row_max = t.amax(dim=1, keepdim=True)
-        # Rows of -inf (or NaN) propagate as stock does; keep finite rows exact.
-        row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
-        p = (t - row_max).exp_()
-        sum_exp = p.sum(dim=1)
-        lse = row_max.squeeze(1) + torch.log(sum_exp)
-        p /= sum_exp[:, None]
-        target_logit = t.gather(1, safe_target[:, None]).squeeze(1)
-        # sum_j p_j t_j as a batched dot product: no [rows, V] temporary
-        expected_t = torch.bmm(p.unsqueeze(1), t.unsqueeze(2)).view(-1)
-        return valid, safe_target, p, lse, target_logit, expected_t
+            return torch.mul(logits, params.inv_temperature, out=out), None
+        tanh = torch.div(logits, params.softcap, out=tanh_out).tanh_()
+        return torch.mul(tanh, params.softcap * params.inv_temperature, out=out), tanh
 
     def _weights(self, safe_target: torch.Tensor, params: TileParams, like: torch.Tensor):
         if params.class_weight is None:
@@ -42,48 +119,105 @@ class TorchTileOps:
         return params.class_weight[safe_target], params.class_weight_sum
 
     def forward(self, logits, target, params, grad_scale=None, grad_out=None) -> TileStats:
-        t, tanh = self._transform(logits, params)
-        valid, safe_target, p, lse, target_logit, expected_t = self._row_stats(t, target, params)
+        rows = logits.shape[0]
+        out = dict(dtype=_compute_dtype(logits), device=logits.device)
+        stats = TileStats(
+            loss=torch.empty(rows, **out),
+            lse=torch.empty(rows, **out),
+            logprob=torch.empty(rows, **out),
+            entropy=torch.empty(rows, **out),
+            is_top1=torch.empty(rows, dtype=torch.bool, device=logits.device),
+            mean_logit=torch.empty(rows, **out),
+            log_sum_sq_probs=torch.empty(rows, **out),
+        )
+        for b, scratch in _Blocks(logits, params, tmp=False):
+            self._forward_block(
+                logits[b],
+                target[b],
+                params,
+                None if grad_scale is None else grad_scale[b],
+                None if grad_out is None else grad_out[b],
+                stats,
+                b,
+                scratch,
+            )
+        return stats
+
+    def _forward_block(self, logits, target, params, grad_scale, grad_out, stats, b, scratch) -> None:
+        t_buf, tanh_buf, e_buf, tmp = scratch
+        t, tanh = self._transform(logits, params, t_buf, tanh_buf)
+        valid = target != params.ignore_index
+        safe_target = torch.where(valid, target, 0)
+        row_max = t.amax(dim=1)
+        target_logit = t.gather(1, safe_target[:, None]).squeeze(1)
+        is_top1 = _is_top1(t, row_max, target_logit, safe_target, tmp) & valid
+        # Rows of -inf (or NaN) propagate as stock does; keep finite rows exact.
+        row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+        mean_logit = t.mean(dim=1)
         eps, vocab = params.label_smoothing, params.vocab
+        if eps:
+            smooth_sum = t.sum(dim=1) if params.class_weight is None else t @ params.class_weight
+        # e = exp(t - max): the softmax times sum_exp, which the gradient is written over
+        e = _exp_shifted(t, row_max, e_buf)
+        sum_exp = e.sum(dim=1)
+        log_sum_exp = torch.log(sum_exp)
+        lse = row_max + log_sum_exp
+        expected_t = _row_dot(e, t, tmp) / sum_exp  # sum_j p_j t_j
+        log_sum_sq = 2.0 * (torch.log(torch.linalg.vector_norm(e, dim=1)) - log_sum_exp)  # log sum_j p_j^2
+
         w_y, w_sum = self._weights(safe_target, params, lse)
         loss = (1.0 - eps) * w_y * (lse - target_logit)
         if eps:
-            if params.class_weight is None:
-                smooth = vocab * lse - t.sum(dim=1)
-            else:
-                smooth = w_sum * lse - t @ params.class_weight
+            smooth = (vocab if w_sum is None else w_sum) * lse - smooth_sum
             loss = loss + (eps / vocab) * smooth
         if params.z_loss:
             loss = loss + params.z_loss * lse.square()
         zero = torch.zeros((), dtype=t.dtype, device=t.device)
-        stats = TileStats(
-            loss=torch.where(valid, loss, zero),
-            lse=torch.where(valid, lse, zero),
-            logprob=torch.where(valid, target_logit - lse, zero),
-            entropy=torch.where(valid, lse - expected_t, zero),
-            is_top1=valid & (t.argmax(dim=1) == target),
-            mean_logit=torch.where(valid, t.mean(dim=1), zero),
-            log_sum_sq_probs=torch.where(valid, torch.log(torch.linalg.vector_norm(p, dim=1).square()), zero),
-        )
+        entropy = torch.where(valid, lse - expected_t, zero)
+        stats.loss[b] = torch.where(valid, loss, zero)
+        stats.lse[b] = torch.where(valid, lse, zero)
+        stats.logprob[b] = torch.where(valid, target_logit - lse, zero)
+        stats.entropy[b] = entropy
+        stats.is_top1[b] = is_top1
+        stats.mean_logit[b] = torch.where(valid, mean_logit, zero)
+        stats.log_sum_sq_probs[b] = torch.where(valid, log_sum_sq, zero)
         if grad_scale is not None:
             grad_loss = torch.where(valid, grad_scale, zero)
-            self._write_grad(t, tanh, p, safe_target, lse, stats.entropy, params, grad_loss, None, None, grad_out)
-        return stats
+            self._write_grad(
+                t, tanh, e, sum_exp, safe_target, lse, entropy, params, grad_loss, None, None, grad_out, tmp
+            )
 
     def backward(self, logits, target, lse, entropy, params, grad_loss, grad_logprob, grad_entropy, grad_out) -> None:
-        t, tanh = self._transform(logits, params)
-        valid = target != params.ignore_index
-        safe_target = torch.where(valid, target, 0)
-        zero = torch.zeros((), dtype=t.dtype, device=t.device)
-        p = torch.exp(t - lse[:, None]).masked_fill_(~valid[:, None], 0.0)
-        masked = [
-            None if g is None else torch.where(valid, g.float(), zero) for g in (grad_loss, grad_logprob, grad_entropy)
-        ]
-        self._write_grad(t, tanh, p, safe_target, lse, entropy, params, *masked, grad_out)
+        for b, (t_buf, tanh_buf, p_buf, tmp) in _Blocks(logits, params, tmp=grad_entropy is not None):
+            t, tanh = self._transform(logits[b], params, t_buf, tanh_buf)
+            valid = target[b] != params.ignore_index
+            safe_target = torch.where(valid, target[b], 0)
+            zero = torch.zeros((), dtype=t.dtype, device=t.device)
+            p = _exp_shifted(t, lse[b], p_buf).masked_fill_(~valid[:, None], 0.0)
+            masked = [
+                None if g is None else torch.where(valid, g[b].to(t.dtype), zero)
+                for g in (grad_loss, grad_logprob, grad_entropy)
+            ]
+            self._write_grad(t, tanh, p, None, safe_target, lse[b], entropy[b], params, *masked, grad_out[b], tmp)
 
     def _write_grad(
-        self, t, tanh, p, safe_target, lse, entropy, params, grad_loss, grad_logprob, grad_entropy, grad_out
+        self,
+        t,
+        tanh,
+        e,
+        sum_exp,
+        safe_target,
+        lse,
+        entropy,
+        params,
+        grad_loss,
+        grad_logprob,
+        grad_entropy,
+        grad_out,
+        tmp,
     ):
+        """The logits gradient of one block into ``grad_out``. ``e`` is the softmax times ``sum_exp`` per row (the
+        softmax itself when ``sum_exp`` is None); it is overwritten, and so are ``tanh`` and ``tmp``."""
         eps, vocab = params.label_smoothing, params.vocab
         zeros = torch.zeros_like(lse)
         g_loss = zeros if grad_loss is None else grad_loss
@@ -101,16 +235,19 @@ class TorchTileOps:
         if grad_entropy is not None:
             # -g_H * p_j * (t_j - lse + H): fold the row constant into p_coef, keep the t_j part
             p_coef = p_coef + grad_entropy * (lse - entropy)
-            grad = p * (p_coef[:, None] - grad_entropy[:, None] * t)
+            if sum_exp is not None:
+                e.div_(sum_exp[:, None])
+            grad = e.mul_(torch.mul(t, -grad_entropy[:, None], out=tmp).add_(p_coef[:, None]))
         else:
-            grad = p.mul_(p_coef[:, None])
+            grad = e.mul_((p_coef if sum_exp is None else p_coef / sum_exp)[:, None])
         grad.scatter_add_(1, safe_target[:, None], onehot_coef[:, None])
         if eps:
             if params.class_weight is None:
                 grad -= (g_loss * (eps / vocab))[:, None]
             else:
-                grad -= (g_loss * (eps / vocab))[:, None] * params.class_weight[None, :]
-        grad *= params.inv_temperature
+                grad.addr_(g_loss * (eps / vocab), params.class_weight, alpha=-1.0)
+        if params.inv_temperature != 1.0:
+            grad *= params.inv_temperature
         if tanh is not None:
-            grad *= 1.0 - tanh.square()
+            grad.mul_(tanh.square_().neg_().add_(1.0))
         grad_out.copy_(grad)
