@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from unittest import mock
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import hf_flce
-from hf_flce import reference_linear_cross_entropy
+from hf_flce import engine, reference_linear_cross_entropy
 
 OPTIONS = {
     "label_smoothing": 0.15,
@@ -334,3 +335,48 @@ def test_prob_weighted_is_dft(kw):
     torch.testing.assert_close(ours, dft, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="prob_weighted=True needs a scalar reduction"):
         hf_flce.fused_linear_cross_entropy(x, w, y, prob_weighted=True, reduction="none")
+
+
+def test_cpu_16bit_chunks_keep_dw_in_float32():
+    # Several chunks of bf16 logits: dW is summed in float32, seeded by a first chunk that is not rounded to bf16.
+    # Its error against float64 must match a single chunk's (one bf16 GEMM, as stock) to within a few percent.
+    torch.manual_seed(3)
+    x, w, y, _ = _problem(n=1024, h=64, v=512, dtype=torch.bfloat16, ignore_every=7)
+    xr, wr = x.double().requires_grad_(), w.double().requires_grad_()
+    ref, _ = reference_linear_cross_entropy(xr, wr, y)
+    ref.backward()
+    errors = {}
+    for budget in (None, 64 * 512 * 6):  # one chunk; 14 chunks of <= 64 rows (2 B/logit + the float32 upcast)
+        wo = w.clone().requires_grad_()
+        with mock.patch.object(engine, "compute_logits", wraps=engine.compute_logits) as gemms:
+            hf_flce.fused_linear_cross_entropy(x, wo, y, memory_budget=budget).backward()
+        assert gemms.call_count == (1 if budget is None else 14)
+        errors[budget] = ((wo.grad.double() - wr.grad).norm() / wr.grad.norm()).item()
+    assert errors[64 * 512 * 6] <= 1.05 * errors[None] + 1e-4, errors
+
+    from hf_flce.engine import dw_product
+
+    g = torch.randn(300, 40).bfloat16()
+    xs = torch.randn(300, 24).bfloat16()
+    exact = g.double().T @ xs.double()
+    assert ((dw_product(g, xs).double() - exact).norm() / exact.norm()).item() < 1e-6
+
+
+def test_cpu_top1_with_ties_and_nan_rows_is_argmax():
+    # The CPU tile pass only runs argmax where the target logit equals the row max; ties and NaN rows must still
+    # give exactly torch.argmax's answer (first index wins; NaN is the max).
+    from hf_flce.backends.base import TileParams
+    from hf_flce.backends.torch_tiles import TorchTileOps
+
+    torch.manual_seed(4)
+    for dtype in (torch.float32, torch.bfloat16):
+        z = torch.randn(70, 50).to(dtype)
+        z[:, 7] = z.max(1).values
+        z[3, :] = float("nan")
+        z[4, 9] = float("nan")
+        y = torch.randint(0, 50, (70,))
+        y[::2] = z.float().argmax(1)[::2]
+        y[1::4] = 7
+        y[5] = -100
+        stats = TorchTileOps().forward(z, y, TileParams(50, -100, 0.0, 0.0, None, 1.0, None, None))
+        assert torch.equal(stats.is_top1, (z.float().argmax(1) == y) & (y != -100))
