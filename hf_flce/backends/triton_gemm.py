@@ -1,5 +1,8 @@
 """The logits GEMM with the softmax in its epilogue (CUDA; CPU tensors under ``TRITON_INTERPRET=1`` for tests).
 
+Opt-in (``HF_FLCE_GEMM_EPILOGUE=1``): on an H100 this Triton GEMM runs at 1.3-2.0x cuBLAS, more than the logits round
+trip it saves (docs/PERF_NOTES.md, v5). Only the mainloop would change for a faster GEMM.
+
 The tile path (``triton_tiles``) has cuBLAS write float32 logits and reads them back twice: 12 bytes per logit more
 than the floor's bf16 GEMM. Here each ``[BM, BN]`` tile of ``t = (x W^T + b) / temperature`` stays in registers in
 float32, and the epilogue reduces it to per-row partial statistics of its BN columns: the max ``m``, and with
