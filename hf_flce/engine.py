@@ -68,20 +68,16 @@ def compute_logits(
     return logits
 
 
-def dw_product(grad_logits: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``grad_logits^T x`` in float32 with nothing rounded to 16 bits: the first chunk of a dW accumulator (CPU:
-    ``mm_fp32`` would round it to 16 bits, so the operands are upcast as in ``accumulate_dw``)."""
-    if _fp32_out(x) or x.dtype == torch.float32:
-        return mm_fp32(grad_logits.t(), x)
-    return torch.mm(grad_logits.t().float(), x.float())
-
-
-def accumulate_dw(acc: torch.Tensor, grad_logits: torch.Tensor, x: torch.Tensor) -> None:
-    """``acc += grad_logits^T x`` with ``acc`` float32: summing chunk products in bf16 biases training."""
+def dw_product(grad_logits: torch.Tensor, x: torch.Tensor, acc: torch.Tensor | None = None) -> torch.Tensor:
+    """``grad_logits^T x`` in float32, added into ``acc`` when given (summing chunk products in bf16 biases
+    training). Nothing is rounded to 16 bits: on CUDA the GEMM has a float32 output; CPU torch has none, so the
+    operands are upcast there."""
     if _fp32_out(x):
-        torch.addmm(acc, grad_logits.t(), x, out_dtype=torch.float32, out=acc)
-    else:
-        acc.addmm_(grad_logits.t().float(), x.float())
+        if acc is None:
+            return torch.mm(grad_logits.t(), x, out_dtype=torch.float32)
+        return torch.addmm(acc, grad_logits.t(), x, out_dtype=torch.float32, out=acc)
+    a, b = grad_logits.t().float(), x.float()
+    return torch.mm(a, b) if acc is None else acc.addmm_(a, b)
 
 
 def _logits_16bit(plan: CallPlan, x: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -182,7 +178,7 @@ class _GradBuffers:
             elif self.single:
                 self.dw = grad_logits.t() @ x_chunk
             else:
-                accumulate_dw(self.dw, grad_logits, x_chunk)
+                dw_product(grad_logits, x_chunk, self.dw)
         if self.db is not None:
             self.db += grad_logits.sum(0, dtype=torch.float32)
 
@@ -232,7 +228,7 @@ def _bytes_per_logit(plan: CallPlan, grad_dtype: torch.dtype | None, logits_16bi
 def _plan_rows(plan: CallPlan, n_rows: int, vocab: int, hidden: int, per_logit, accumulates_dw: bool, logits_16bit):
     chunk = plan_chunk_rows(n_rows, vocab, hidden, per_logit, plan.budget, accumulates_dw)
     if logits_16bit and accumulates_dw and chunk < n_rows:
-        # several chunks: accumulate_dw upcasts each chunk's 16-bit gradient (CPU has no float32-output GEMM)
+        # several chunks: dw_product upcasts each chunk's 16-bit gradient (CPU has no float32-output GEMM)
         chunk = plan_chunk_rows(n_rows, vocab, hidden, per_logit + 4, plan.budget, accumulates_dw)
     return chunk
 

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from .base import TileParams, TileStats
+from .triton_tiles import logit_grad, row_grad_coefs
 
 MODE_STATS = 0  # partial statistics only (no gradient wanted: eval, reference models)
 MODE_KEEP = 1  # partial statistics and e = exp(t - m_tile) in fp16, for the gradient pass
@@ -87,8 +88,8 @@ def _tma_scratch(size: int, alignment: int, stream):
 def _row_coefs(
     rows,
     valid,
-    lse,
-    entropy,
+    lse_ptr,
+    entropy_ptr,
     gl_ptr,
     stride_gl,
     glp_ptr,
@@ -104,30 +105,35 @@ def _row_coefs(
     HAS_SMOOTHING: tl.constexpr,
     HAS_ZLOSS: tl.constexpr,
 ):
-    """Per-row coefficients of d/dt of g_loss * loss + g_logprob * logp + g_entropy * H (zero at ignored rows):
-    g_j = p_j * (p_coef - g_entropy * t_j) + [j == y] * onehot_coef - smooth_coef."""
-    zero = tl.zeros_like(lse)
-    p_coef = zero
-    onehot_coef = zero
-    smooth_coef = zero
-    g_entropy = zero
-    if HAS_GL:
-        g_loss = tl.load(gl_ptr + rows * stride_gl, mask=valid, other=0.0).to(tl.float32)
-        p_coef = g_loss * (1.0 - smoothing)
-        onehot_coef = -p_coef
-        if HAS_SMOOTHING:
-            p_coef += g_loss * smoothing
-            smooth_coef = g_loss * smooth_over_v
-        if HAS_ZLOSS:
-            p_coef += g_loss * (2.0 * z_loss) * lse
-    if HAS_GLP:
-        g_logprob = tl.load(glp_ptr + rows * stride_glp, mask=valid, other=0.0).to(tl.float32)
-        p_coef -= g_logprob
-        onehot_coef += g_logprob
+    """The rows' lse and gradient coefficients (``triton_tiles.row_grad_coefs``; no class weights here)."""
+    lse = tl.load(lse_ptr + rows, mask=valid, other=0.0)
+    entropy = lse
     if HAS_GE:
-        g_entropy = tl.load(ge_ptr + rows * stride_ge, mask=valid, other=0.0).to(tl.float32)
-        p_coef += g_entropy * (lse - entropy)
-    return p_coef, onehot_coef, smooth_coef, g_entropy
+        entropy = tl.load(entropy_ptr + rows, mask=valid, other=0.0)
+    p_coef, onehot_coef, smooth_coef, g_entropy = row_grad_coefs(
+        rows,
+        valid,
+        lse,
+        entropy,
+        1.0,
+        lse_ptr,
+        gl_ptr,
+        stride_gl,
+        glp_ptr,
+        stride_glp,
+        ge_ptr,
+        stride_ge,
+        smoothing,
+        smooth_over_v,
+        z_loss,
+        HAS_GL,
+        HAS_GLP,
+        HAS_GE,
+        HAS_SMOOTHING,
+        HAS_ZLOSS,
+        False,
+    )
+    return lse, p_coef[:, None], onehot_coef[:, None], smooth_coef[:, None], g_entropy[:, None]
 
 
 @triton.autotune(configs=_configs(), key=["V", "K", "MODE"], prune_configs_by={"early_config_prune": _prune_configs})
@@ -228,15 +234,11 @@ def _head_gemm_kernel(
     is_y = cols[None, :] == y[:, None]
 
     if MODE == 2:
-        lse = tl.load(lse_ptr + rows, mask=valid, other=0.0)
-        entropy = lse
-        if HAS_GE:
-            entropy = tl.load(entropy_ptr + rows, mask=valid, other=0.0)
-        p_coef, onehot_coef, smooth_coef, g_entropy = _row_coefs(
+        lse, p_coef, onehot_coef, smooth_coef, g_entropy = _row_coefs(
             rows,
             valid,
-            lse,
-            entropy,
+            lse_ptr,
+            entropy_ptr,
             gl_ptr,
             stride_gl,
             glp_ptr,
@@ -254,11 +256,7 @@ def _head_gemm_kernel(
         )
         # ignored rows: exp(-inf) = 0, so nothing overflows against their placeholder lse
         p = tl.exp(tl.where(valid[:, None], t - lse[:, None], float("-inf")))
-        if HAS_GE:
-            g = p * (p_coef[:, None] - g_entropy[:, None] * t)
-        else:
-            g = p * p_coef[:, None]
-        g += tl.where(is_y, onehot_coef[:, None], 0.0) - smooth_coef[:, None]
+        g = logit_grad(p, t, is_y, p_coef, onehot_coef, g_entropy, HAS_GE) - smooth_coef
         if HAS_TEMPERATURE:
             g *= inv_temperature
         tl.store(out_ptrs, g.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -400,16 +398,12 @@ def _grad_from_e_kernel(
     row_ok = rows < N
     y = tl.load(y_ptr + rows, mask=row_ok, other=ignore_index)
     valid = row_ok & (y != ignore_index)
-    lse = tl.load(lse_ptr + rows, mask=valid, other=0.0)
-    entropy = lse
-    if HAS_GE:
-        entropy = tl.load(entropy_ptr + rows, mask=valid, other=0.0)
     m = tl.load(part_ptr + tile * N + rows, mask=valid, other=0.0)
-    p_coef, onehot_coef, smooth_coef, g_entropy = _row_coefs(
+    lse, p_coef, onehot_coef, smooth_coef, g_entropy = _row_coefs(
         rows,
         valid,
-        lse,
-        entropy,
+        lse_ptr,
+        entropy_ptr,
         gl_ptr,
         stride_gl,
         glp_ptr,
@@ -432,10 +426,9 @@ def _grad_from_e_kernel(
     if HAS_GE:
         # t_j = m + log e_j; where e_j underflowed to 0, p_j t_j -> 0
         t = tl.where(e > 0.0, m[:, None] + tl.log(tl.maximum(e, 1e-30)), 0.0)
-        g = p * (p_coef[:, None] - g_entropy[:, None] * t)
     else:
-        g = p * p_coef[:, None]
-    g += tl.where(cols[None, :] == y[:, None], onehot_coef[:, None], 0.0) - smooth_coef[:, None]
+        t = e  # not read without entropy gradients
+    g = logit_grad(p, t, cols[None, :] == y[:, None], p_coef, onehot_coef, g_entropy, HAS_GE) - smooth_coef
     if HAS_TEMPERATURE:
         g *= inv_temperature
     tl.store(g_ptr + rows.to(tl.int64)[:, None] * stride_gn + cols[None, :], g.to(g_ptr.dtype.element_ty), mask=mask)

@@ -16,7 +16,6 @@ import torch
 import triton
 import triton.language as tl
 
-from . import triton_gemm
 from .base import TileParams, TileStats
 
 # Start of the running max: finite, so that exp(m_old - m_new) and (m_old - m_new) * 0 never give NaN.
@@ -107,6 +106,71 @@ def _row_stats(
         if HAS_WT:
             swt += tl.load(weight_ptr + offs, mask=mask, other=0.0) * t
     return m, tl.sum(s, 0), tl.sum(se, 0), tl.sum(s2, 0), tl.sum(st, 0), tl.sum(swt, 0), best
+
+
+@triton.jit
+def row_grad_coefs(
+    rows,
+    valid,
+    lse,
+    entropy,
+    w_y,
+    weight_sum_ptr,
+    gl_ptr,
+    stride_gl,
+    glp_ptr,
+    stride_glp,
+    ge_ptr,
+    stride_ge,
+    smoothing,
+    smooth_over_v,
+    z_loss,
+    HAS_GL: tl.constexpr,
+    HAS_GLP: tl.constexpr,
+    HAS_GE: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    HAS_ZLOSS: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+):
+    """Per-row coefficients (zero at ignored rows; ``rows`` a row index or a vector of them) of the logits gradient
+    of g_loss * loss + g_logprob * logp + g_entropy * H (see base.py):
+    g_j = p_j * (p_coef - g_entropy * t_j) + [j == y] * onehot_coef - smooth_coef * w_j."""
+    zero = tl.zeros_like(lse)
+    p_coef = zero
+    onehot_coef = zero
+    smooth_coef = zero
+    g_entropy = zero
+    if HAS_GL:
+        g_loss = tl.load(gl_ptr + rows * stride_gl, mask=valid, other=0.0).to(tl.float32)
+        wl = g_loss * (1.0 - smoothing) * w_y
+        p_coef = wl
+        onehot_coef = -wl
+        if HAS_SMOOTHING:
+            smooth_coef = g_loss * smooth_over_v
+            if HAS_WEIGHT:
+                p_coef += smooth_coef * tl.load(weight_sum_ptr)
+            else:
+                p_coef += g_loss * smoothing
+        if HAS_ZLOSS:
+            p_coef += g_loss * (2.0 * z_loss) * lse
+    if HAS_GLP:
+        g_logprob = tl.load(glp_ptr + rows * stride_glp, mask=valid, other=0.0).to(tl.float32)
+        p_coef -= g_logprob
+        onehot_coef += g_logprob
+    if HAS_GE:
+        g_entropy = tl.load(ge_ptr + rows * stride_ge, mask=valid, other=0.0).to(tl.float32)
+        p_coef += g_entropy * (lse - entropy)
+    return p_coef, onehot_coef, smooth_coef, g_entropy
+
+
+@triton.jit
+def logit_grad(p, t, is_target, p_coef, onehot_coef, g_entropy, HAS_GE: tl.constexpr):
+    """p_j * (p_coef - g_entropy * t_j) + [j == y] * onehot_coef: the gradient before smoothing and dt/dz."""
+    if HAS_GE:
+        g = p * (p_coef - g_entropy * t)
+    else:
+        g = p * p_coef
+    return g + tl.where(is_target, onehot_coef, 0.0)
 
 
 @triton.jit
@@ -218,30 +282,29 @@ def _tile_kernel(
 
     if HAS_GL or HAS_GLP or HAS_GE:
         # grad_j = (p_j * (p_coef - g_entropy * t_j) + [j == y] * onehot_coef - smooth_coef * w_j) * dt_j/dz_j
-        p_coef = 0.0
-        onehot_coef = 0.0
-        smooth_coef = 0.0
-        g_entropy = 0.0
-        if HAS_GL:
-            g_loss = tl.where(valid, tl.load(gl_ptr + row * stride_gl), 0.0)
-            wl = g_loss * (1.0 - smoothing) * w_y
-            p_coef = wl
-            onehot_coef = -wl
-            if HAS_SMOOTHING:
-                smooth_coef = g_loss * smooth_over_v
-                if HAS_WEIGHT:
-                    p_coef += smooth_coef * tl.load(weight_sum_ptr)
-                else:
-                    p_coef += g_loss * smoothing
-            if HAS_ZLOSS:
-                p_coef += g_loss * (2.0 * z_loss) * lse
-        if HAS_GLP:
-            g_logprob = tl.where(valid, tl.load(glp_ptr + row * stride_glp), 0.0)
-            p_coef -= g_logprob
-            onehot_coef += g_logprob
-        if HAS_GE:
-            g_entropy = tl.where(valid, tl.load(ge_ptr + row * stride_ge), 0.0)
-            p_coef += g_entropy * (lse - entropy)
+        p_coef, onehot_coef, smooth_coef, g_entropy = row_grad_coefs(
+            row,
+            valid,
+            lse,
+            entropy,
+            w_y,
+            weight_sum_ptr,
+            gl_ptr,
+            stride_gl,
+            glp_ptr,
+            stride_glp,
+            ge_ptr,
+            stride_ge,
+            smoothing,
+            smooth_over_v,
+            z_loss,
+            HAS_GL,
+            HAS_GLP,
+            HAS_GE,
+            HAS_SMOOTHING,
+            HAS_ZLOSS,
+            HAS_WEIGHT,
+        )
         g_row = g_ptr + row * stride_gr
         cols = tl.arange(0, BLOCK)
         n_blocks = tl.cdiv(V, BLOCK)
@@ -258,12 +321,7 @@ def _tile_kernel(
                 # Another warp's store below may land on elements this block reads: every load first.
                 tl.debug_barrier()
             t, dt = _transform(z, inv_softcap, t_scale, inv_temperature, HAS_SOFTCAP, HAS_TEMPERATURE)
-            p = tl.exp(t - lse)
-            if HAS_GE:
-                g = p * (p_coef - g_entropy * t)
-            else:
-                g = p * p_coef
-            g += tl.where(offs == y, onehot_coef, 0.0)
+            g = logit_grad(tl.exp(t - lse), t, offs == y, p_coef, onehot_coef, g_entropy, HAS_GE)
             if HAS_GL and HAS_SMOOTHING:
                 if HAS_WEIGHT:
                     g -= smooth_coef * tl.load(weight_ptr + offs, mask=in_row, other=0.0)
@@ -324,6 +382,8 @@ class TritonTileOps:
             gemm_epilogue = os.environ.get("HF_FLCE_GEMM_EPILOGUE", "0") == "1"
         # Opt-in: the logits GEMM with the softmax in its epilogue, for 16-bit calls without softcap or class weights.
         # Off by default: on an H100 its Triton GEMM runs at 1.3-1.5x cuBLAS (docs/PERF_NOTES.md, v5).
+        from . import triton_gemm  # it builds on this module's jit helpers
+
         self.fused_head = triton_gemm if gemm_epilogue else None
 
     def _config(self, vocab: int, rows: int, device: torch.device) -> tuple[int, int]:
