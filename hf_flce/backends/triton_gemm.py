@@ -23,7 +23,6 @@ path for them.
 
 from __future__ import annotations
 
-import contextlib
 import os
 from dataclasses import dataclass
 
@@ -31,8 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
+from . import triton_interpreting
 from .base import TileParams, TileStats
-from .triton_tiles import logit_grad, row_grad_coefs
+from .triton_tiles import TritonTileOps, logit_grad, row_grad_coefs
 
 MODE_STATS = 0  # partial statistics only (no gradient wanted: eval, reference models)
 MODE_KEEP = 1  # partial statistics and e = exp(t - m_tile) in fp16, for the gradient pass
@@ -43,7 +43,7 @@ _N_STATS = 5  # m, sum e, sum e (t - m), sum e**2, sum t
 
 
 def _configs():
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    if triton_interpreting():
         return [
             triton.Config({"BM": 16, "BN": 32, "BK": 16, "GROUP_M": 4, "USE_TMA": False}, num_warps=4, num_stages=1)
         ]
@@ -444,10 +444,6 @@ class KeptSoftmax:
     tile_n: int
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def partial_bytes_per_row(vocab: int) -> int:
     """Bytes per row of the partial statistics (float32 x 5 and an int32 argmax per tile), at the narrowest tile."""
     tile_n = min(c.kwargs["BN"] for c in _head_gemm_kernel.configs)
@@ -460,7 +456,7 @@ def supports(dtype: torch.dtype, weight: torch.Tensor, bias: torch.Tensor | None
     return (
         dtype in (torch.bfloat16, torch.float16)
         and weight.dtype == dtype
-        and (weight.device.type == "cuda" or (weight.device.type == "cpu" and _interpreting()))
+        and (weight.device.type == "cuda" or (weight.device.type == "cpu" and triton_interpreting()))
         and weight.stride(-1) == 1
         and params.softcap is None
         and params.class_weight is None
@@ -555,7 +551,7 @@ def forward(
     best = torch.empty(max_tiles * n, dtype=torch.int32, device=dev)
     t_y = torch.empty(n, **f32)
     e = torch.empty(n, vocab, dtype=torch.float16, device=dev) if keep else None
-    with _device_guard(dev):
+    with TritonTileOps._device_guard(dev):
         _gemm(x, weight, bias, target, params, mode, e, partials, best, t_y, None, None, (None, None, None))
         # the partials' layout follows the tile width the autotuner picked for this launch
         tile_n = _head_gemm_kernel.best_config.kwargs["BN"]
@@ -609,7 +605,7 @@ def gradient(
         return out
     upstream = (grad_loss, grad_logprob, grad_entropy)
     br = 16 if kept.tile_n >= 256 else 32
-    with _device_guard(e.device):
+    with TritonTileOps._device_guard(e.device):
         _grad_from_e_kernel[(triton.cdiv(n, br), triton.cdiv(vocab, kept.tile_n))](
             e,
             e.stride(0),
@@ -653,7 +649,7 @@ def recompute_gradient(
     n = x.shape[0]
     out = torch.empty(n, params.vocab, dtype=x.dtype, device=x.device)
     if n:
-        with _device_guard(x.device):
+        with TritonTileOps._device_guard(x.device):
             _gemm(
                 x,
                 weight,
@@ -670,7 +666,3 @@ def recompute_gradient(
                 (grad_loss, grad_logprob, grad_entropy),
             )
     return out
-
-
-def _device_guard(device: torch.device):
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
