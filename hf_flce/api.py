@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -11,7 +12,7 @@ from torch import nn
 from .backends import resolve_backend
 from .backends.base import TileParams
 from .engine import CallPlan, FusedLinearCrossEntropyFunction
-from .options import FLCEOptions, check_num_items, check_tensors
+from .options import FLCEOptions, check_num_items, check_tensors, stats_request
 
 
 @dataclass
@@ -64,7 +65,7 @@ def fused_linear_cross_entropy(
     z_loss: float = 0.0,
     softcap: float | None = None,
     temperature: float = 1.0,
-    return_stats: bool = False,
+    return_stats: bool | Collection[str] = False,
     backend: str = "auto",
     memory_budget: int | None = None,
     prob_weighted: bool = False,
@@ -86,7 +87,9 @@ def fused_linear_cross_entropy(
         label_smoothing, class_weight: as ``torch.nn.functional.cross_entropy``'s ``label_smoothing`` and ``weight``.
         z_loss: coefficient of the PaLM z-loss ``lse**2``.
         softcap, temperature: logit transforms, softcap first.
-        return_stats: also return an :class:`FLCEStats`.
+        return_stats: also return an :class:`FLCEStats`: ``True`` for every field, or a collection of the field names
+            the caller reads (``{"entropy", "is_top1"}``), which lets the GEMM-epilogue path skip the others
+            (``logprobs`` and ``lse`` are always there; a field not named may come back as zeros).
         backend: ``"auto"``, ``"torch"``, ``"triton"`` or ``"ascend"``.
         memory_budget: bytes of logits alive at once.
         prob_weighted: multiply each token's loss by its detached target probability ``exp(logprobs)`` (DFT, as
@@ -116,9 +119,9 @@ def fused_linear_cross_entropy(
         temperature=temperature,
         memory_budget=memory_budget,
     )
-    for name, flag in (("return_stats", return_stats), ("prob_weighted", prob_weighted)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    wanted_stats = stats_request(return_stats)
+    if not isinstance(prob_weighted, bool):
+        raise TypeError(f"prob_weighted must be a bool, got {type(prob_weighted).__name__}")
     if prob_weighted and reduction == "none" and num_items_in_batch is None:
         raise ValueError(
             "prob_weighted=True needs a scalar reduction ('mean', 'sum' or num_items_in_batch); with reduction='none' "
@@ -157,6 +160,7 @@ def fused_linear_cross_entropy(
         inv_temperature=1.0 / float(opts.temperature),
         class_weight=cw,
         class_weight_sum=cw_sum,
+        optional_stats=wanted_stats or frozenset(),
     )
     plan = CallPlan(
         tiles=tiles,
@@ -174,7 +178,7 @@ def fused_linear_cross_entropy(
         )
     if plan.reduction == "none":
         loss = loss.reshape(target.shape)
-    if not return_stats:
+    if wanted_stats is None:
         return loss
     shape = target.shape
     stats = FLCEStats(

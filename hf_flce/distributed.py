@@ -31,6 +31,7 @@ memory budget), forms ``dX_r = G_r W_r`` and ``dW_r = G_r^T X``, and all-reduces
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Collection
 from dataclasses import dataclass, fields
 
 import torch
@@ -41,7 +42,7 @@ from .api import FLCEStats, fused_linear_cross_entropy, loss_denominator
 from .backends.base import TileParams
 from .backends.torch_tiles import TorchTileOps
 from .engine import _chunks, _GradBuffers, _scatter_rows, check_target_range, compute_logits
-from .options import FLCEOptions, check_num_items, check_tensors
+from .options import FLCEOptions, check_num_items, check_tensors, stats_request
 
 try:
     from torch.distributed.tensor import DTensor, Shard
@@ -281,7 +282,7 @@ def vocab_parallel_linear_cross_entropy(
     z_loss: float = 0.0,
     softcap: float | None = None,
     temperature: float = 1.0,
-    return_stats: bool = False,
+    return_stats: bool | Collection[str] = False,
     memory_budget: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, FLCEStats]:
     """:func:`hf_flce.fused_linear_cross_entropy` for a head split along the vocabulary across ``process_group``.
@@ -320,6 +321,7 @@ def vocab_parallel_linear_cross_entropy(
         memory_budget=memory_budget,
     )
     check_num_items(num_items_in_batch, reduction)
+    wanted_stats = stats_request(return_stats)
     if not dist.is_initialized():
         raise RuntimeError("vocab_parallel_linear_cross_entropy needs torch.distributed to be initialised")
     if torch.is_autocast_enabled(hidden.device.type):
@@ -354,13 +356,13 @@ def vocab_parallel_linear_cross_entropy(
         denominator=loss_denominator(valid_count, opts, num_items_in_batch, x.device),
         budget=opts.budget_bytes(x.device),
         grad_mode=torch.is_grad_enabled(),
-        need_top1=return_stats,
+        need_top1=wanted_stats is not None and "is_top1" in wanted_stats,
     )
     with torch.autocast(x.device.type, enabled=False):
         loss, *per_token = _VocabParallelFunction.apply(x, weight, bias, y, plan)
     if plan.reduction == "none":
         loss = loss.reshape(target.shape)
-    if not return_stats:
+    if wanted_stats is None:
         return loss
     names = ("logprobs", "entropy", "lse", "is_top1", "mean_logit", "log_sum_sq_probs")
     return loss, FLCEStats(**{k: v.reshape(target.shape) for k, v in zip(names, per_token)})
@@ -437,7 +439,9 @@ def _linear_ce(hidden, weight, target, bias, options: dict):
             hidden.to(weight.device), weight, target.to(weight.device), bias, process_group=group, **vp_options
         )
     outputs = (
-        (out,) if not options.get("return_stats") else (out[0], *(getattr(out[1], f.name) for f in fields(out[1])))
+        (out,)
+        if stats_request(options.get("return_stats", False)) is None
+        else (out[0], *(getattr(out[1], f.name) for f in fields(out[1])))
     )
     # FSDP2 skips its pre-backward hook for a module output that is a view (and warns): return per-token vectors
     # (a few bytes per token) as their own tensors.
@@ -484,6 +488,6 @@ def head_linear_cross_entropy(
 
     with _as_forward(linear, forward):
         out = head(hidden)
-    if not options.get("return_stats"):
+    if stats_request(options.get("return_stats", False)) is None:
         return out[0]
     return out[0], FLCEStats(*out[1:])

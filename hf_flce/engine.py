@@ -253,6 +253,12 @@ def _fused_head(plan: CallPlan, x: torch.Tensor, weight: torch.Tensor, bias: tor
     dtype = plan.compute_dtype or x.dtype
     if fused is None or x.stride(-1) != 1 or not fused.supports(dtype, weight, bias, plan.params):
         return None
+    # by default only on the GPUs it was measured on (Hopper and newer)
+    min_capability = getattr(plan.tiles, "fused_head_min_capability", 0)
+    if min_capability and (
+        weight.device.type != "cuda" or torch.cuda.get_device_capability(weight.device)[0] < min_capability
+    ):
+        return None
     return fused
 
 
@@ -309,8 +315,9 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         fused = _fused_head(plan, x, w_c, bias)
         logits_16bit = fused is None and _logits_16bit(plan, x, bias)
         if fused is not None:
-            per_logit = fused.bytes_per_logit(vocab)
-            kept_per_logit = per_logit
+            # without a gradient in forward only the partial statistics take memory; kept logits are one chunk
+            per_logit = fused.bytes_per_logit(vocab, keep=eager)
+            kept_per_logit = fused.bytes_per_logit(vocab)
         else:
             per_logit = _bytes_per_logit(plan, (plan.compute_dtype or x.dtype) if eager else None, logits_16bit)
             kept_per_logit = 2 if logits_16bit else 4

@@ -157,3 +157,26 @@ def check_num_items(num_items_in_batch: object, reduction: str) -> None:
         raise ValueError(f"num_items_in_batch must be a single number, got shape {tuple(num_items_in_batch.shape)}")
     if not isinstance(num_items_in_batch, torch.Tensor) and num_items_in_batch < 0:
         raise ValueError(f"num_items_in_batch must be >= 0, got {num_items_in_batch}")
+
+
+STAT_NAMES = ("logprobs", "lse", "entropy", "is_top1", "mean_logit", "log_sum_sq_probs")
+ALWAYS_COMPUTED = ("logprobs", "lse")
+# computed only when asked for (TileParams.optional_stats)
+OPTIONAL_STATS = frozenset(STAT_NAMES) - set(ALWAYS_COMPUTED)
+
+
+def stats_request(return_stats: object) -> frozenset[str] | None:
+    """``return_stats`` checked: ``None`` when no stats are returned, else the optional statistics to compute.
+
+    ``True`` asks for all of them; a collection of :class:`hf_flce.FLCEStats` field names asks for those (``logprobs``
+    and ``lse`` are always computed; the fields not named come back as zeros where skipping them saves time).
+    """
+    if isinstance(return_stats, bool):
+        return OPTIONAL_STATS if return_stats else None
+    if isinstance(return_stats, str) or not hasattr(return_stats, "__iter__"):
+        raise TypeError(f"return_stats must be a bool or a collection of stat names, got {type(return_stats).__name__}")
+    names = frozenset(return_stats)
+    unknown = sorted(str(n) for n in names - set(STAT_NAMES))
+    if unknown:
+        raise ValueError(f"return_stats names unknown stats {unknown}; known: {list(STAT_NAMES)}")
+    return names & OPTIONAL_STATS

@@ -303,8 +303,23 @@ def test_bad_inputs_are_named():
     _bad("cannot be combined", reduction="none", num_items_in_batch=4)
     _bad("num_items_in_batch must be", TypeError, num_items_in_batch="4")
     _bad("weight must be 2-D", weight=torch.randn(10, 8, 1))
+    _bad("return_stats must be a bool or a collection", TypeError, return_stats="entropy")
+    _bad("return_stats must be a bool or a collection", TypeError, return_stats=1)
+    _bad("unknown stats \\['logits'\\]", return_stats={"entropy", "logits"})
+    _bad("prob_weighted must be a bool", TypeError, prob_weighted=1)
     meta = torch.randn(10, 8, device="meta")
     _bad("device mismatch", weight=meta)
+
+
+def test_return_stats_by_name():
+    """A collection of field names returns FLCEStats; the named fields equal those of ``return_stats=True``."""
+    x, w, y, _ = _problem()
+    loss_all, every = hf_flce.fused_linear_cross_entropy(x, w, y, return_stats=True)
+    loss, some = hf_flce.fused_linear_cross_entropy(x, w, y, return_stats=("entropy", "is_top1", "logprobs"))
+    torch.testing.assert_close(loss, loss_all)
+    for name in ("logprobs", "lse", "entropy", "is_top1"):
+        torch.testing.assert_close(getattr(some, name), getattr(every, name))
+    assert isinstance(hf_flce.fused_linear_cross_entropy(x, w, y, return_stats=[])[1], hf_flce.FLCEStats)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-without-interpreter refusal")

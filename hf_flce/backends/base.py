@@ -25,6 +25,8 @@ from typing import Protocol
 
 import torch
 
+from ..options import OPTIONAL_STATS
+
 
 @dataclass
 class TileParams:
@@ -38,6 +40,8 @@ class TileParams:
     inv_temperature: float
     class_weight: torch.Tensor | None  # float32 [V]
     class_weight_sum: torch.Tensor | None  # float32 0-d, sum of class_weight
+    # The optional statistics the caller reads. A backend may skip the others and return them as 0 (False).
+    optional_stats: frozenset[str] = OPTIONAL_STATS
 
 
 @dataclass

@@ -32,7 +32,7 @@ import triton.language as tl
 
 from . import triton_interpreting
 from .base import TileParams, TileStats
-from .triton_tiles import TritonTileOps, logit_grad, row_grad_coefs
+from .triton_tiles import TritonTileOps, _sm_count, logit_grad, row_grad_coefs
 
 MODE_STATS = 0  # partial statistics only (no gradient wanted: eval, reference models)
 MODE_KEEP = 1  # partial statistics and e = exp(t - m_tile) in fp16, for the gradient pass
@@ -45,18 +45,23 @@ _N_STATS = 5  # m, sum e, sum e (t - m), sum e**2, sum t
 def _configs():
     if triton_interpreting():
         return [
-            triton.Config({"BM": 16, "BN": 32, "BK": 16, "GROUP_M": 4, "USE_TMA": False}, num_warps=4, num_stages=1)
+            triton.Config(
+                {"BM": 16, "BN": 32, "BK": 16, "GROUP_M": 4, "USE_TMA": False, "FLATTEN": False},
+                num_warps=4,
+                num_stages=1,
+            )
         ]
-    plain = (
-        (128, 128, 64, 8, 3),
-        (128, 256, 64, 8, 3),
-        (256, 128, 64, 8, 3),
-        (128, 128, 64, 4, 3),
-        (64, 128, 64, 4, 4),
-    )
-    tma = ((128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (256, 128, 64, 8, 3))
+    # Persistent programs (one per SM) with the tile loop flattened into the K loop, so the software pipeliner
+    # loads the next tile's first operands while this tile's epilogue runs. On an H200 (scripts/
+    # probe_gemm_mainloop.py) 128x256 and 256x128 tiles brought the statistics GEMM to 1.00x (H = 4096) and 1.04x
+    # (H = 1024) of cuBLAS, against 1.04x / 1.22x with one program per tile; automatic warp specialization gained
+    # nothing over flattening there.
+    plain = ((128, 256, 64, 8, 3), (128, 128, 64, 4, 4))
+    tma = ((128, 256, 64, 8, 3), (256, 128, 64, 8, 3))
     return [
-        triton.Config({"BM": bm, "BN": bn, "BK": bk, "GROUP_M": 8, "USE_TMA": use_tma}, num_warps=w, num_stages=s)
+        triton.Config(
+            {"BM": bm, "BN": bn, "BK": bk, "GROUP_M": 8, "USE_TMA": use_tma, "FLATTEN": True}, num_warps=w, num_stages=s
+        )
         for use_tma, table in ((False, plain), (True, tma))
         for bm, bn, bk, w, s in table
     ]
@@ -72,12 +77,23 @@ def _tma_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
         return False
     if torch.cuda.get_device_capability(x.device)[0] < 9:
         return False
-    return all(t.stride(0) * t.element_size() % 16 == 0 and t.data_ptr() % 16 == 0 for t in (x, weight))
+    return all(_tma_aligned(t) for t in (x, weight))
+
+
+def _tma_aligned(t: torch.Tensor) -> bool:
+    return t.stride(-1) == 1 and t.stride(0) * t.element_size() % 16 == 0 and t.data_ptr() % 16 == 0
+
+
+def _program_limit(device: torch.device) -> int:
+    """Persistent grid: one program per SM (the interpreter runs a few, so tests still walk several tiles each)."""
+    if device.type != "cuda":
+        return 3
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _prune_configs(configs, named_args, **kwargs):
-    keep_tma = _tma_usable(named_args["x_ptr"], named_args["w_ptr"])
-    return [c for c in configs if keep_tma or not c.kwargs["USE_TMA"]]
+    use_tma = _tma_usable(named_args["x_ptr"], named_args["w_ptr"])
+    return [c for c in configs if c.kwargs["USE_TMA"] == use_tma] or configs
 
 
 def _tma_scratch(size: int, alignment: int, stream):
@@ -176,107 +192,132 @@ def _head_gemm_kernel(
     HAS_ZLOSS: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    TMA_OUT: tl.constexpr,
+    ENTROPY: tl.constexpr,
+    TOP1: tl.constexpr,
+    SUM_T: tl.constexpr,
+    SUM_E2: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
     GROUP_M: tl.constexpr,
     USE_TMA: tl.constexpr,
+    FLATTEN: tl.constexpr,
 ):
-    """One [BM, BN] tile of t = (x W^T + b) / temperature, reduced in the epilogue (see the module docstring)."""
-    pid = tl.program_id(0)
+    """[BM, BN] tiles of t = (x W^T + b) / temperature, each reduced in the epilogue (see the module docstring).
+    Persistent: each program takes every ``num_programs``-th tile."""
     tiles_m = tl.cdiv(N, BM)
     tiles_n = tl.cdiv(V, BN)
     # Grouped order: GROUP_M row blocks sweep the vocabulary together, so each W tile is read from L2 that often.
     per_group = GROUP_M * tiles_n
-    first_m = (pid // per_group) * GROUP_M
-    group_m = min(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_m
-    pid_n = (pid % per_group) // group_m
-
-    rows = pid_m * BM + tl.arange(0, BM)
-    cols = pid_n * BN + tl.arange(0, BN)
     ks = tl.arange(0, BK)
-    row_ok = rows < N
-    col_ok = cols < V
-    # Out-of-range rows and columns read row 0 (in bounds); their results are masked at the end.
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    stat_stride = tiles_n * N
     if USE_TMA:
-        # TMA: the copy engine fetches the tiles (out-of-range rows and columns come back as zeros)
+        # TMA: the copy engine fetches the tiles (out-of-range rows and columns come back as zeros, and a TMA store
+        # drops them)
         x_desc = tl.make_tensor_descriptor(x_ptr, shape=[N, K], strides=[stride_xn, 1], block_shape=[BM, BK])
         w_desc = tl.make_tensor_descriptor(w_ptr, shape=[V, K], strides=[stride_wv, 1], block_shape=[BN, BK])
-        for k in range(0, K, BK):
-            a = x_desc.load([pid_m * BM, k])
-            b = w_desc.load([pid_n * BN, k])
-            acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PRECISION)
-    else:
-        x_ptrs = x_ptr + tl.where(row_ok, rows, 0).to(tl.int64)[:, None] * stride_xn + ks[None, :]
-        w_ptrs = w_ptr + tl.where(col_ok, cols, 0).to(tl.int64)[:, None] * stride_wv + ks[None, :]
-        for k in range(0, K, BK):
-            k_ok = (k + ks) < K
-            a = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
-            b = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
-            if UPCAST:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PRECISION)
-            x_ptrs += BK
-            w_ptrs += BK
+        if TMA_OUT:
+            out_desc = tl.make_tensor_descriptor(out_ptr, shape=[N, V], strides=[stride_on, 1], block_shape=[BM, BN])
+    for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, tl.num_programs(0), flatten=FLATTEN):
+        first_m = (tile // per_group) * GROUP_M
+        group_m = min(tiles_m - first_m, GROUP_M)
+        pid_m = first_m + (tile % per_group) % group_m
+        pid_n = (tile % per_group) // group_m
+        rows = pid_m * BM + tl.arange(0, BM)
+        cols = pid_n * BN + tl.arange(0, BN)
+        row_ok = rows < N
+        col_ok = cols < V
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        if USE_TMA:
+            for k in range(0, K, BK):
+                a = x_desc.load([pid_m * BM, k])
+                b = w_desc.load([pid_n * BN, k])
+                acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PRECISION)
+        else:
+            # Out-of-range rows and columns read row 0 (in bounds); their results are masked at the end.
+            x_ptrs = x_ptr + tl.where(row_ok, rows, 0).to(tl.int64)[:, None] * stride_xn + ks[None, :]
+            w_ptrs = w_ptr + tl.where(col_ok, cols, 0).to(tl.int64)[:, None] * stride_wv + ks[None, :]
+            for k in range(0, K, BK):
+                k_ok = (k + ks) < K
+                a = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
+                b = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
+                if UPCAST:
+                    a = a.to(tl.float32)
+                    b = b.to(tl.float32)
+                acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PRECISION)
+                x_ptrs += BK
+                w_ptrs += BK
 
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    t = acc
-    if HAS_TEMPERATURE:
-        t = t * inv_temperature
-    y = tl.load(y_ptr + rows, mask=row_ok, other=ignore_index)
-    valid = row_ok & (y != ignore_index)
-    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_on + cols[None, :]
-    out_mask = row_ok[:, None] & col_ok[None, :]
-    is_y = cols[None, :] == y[:, None]
-
-    if MODE == 2:
-        lse, p_coef, onehot_coef, smooth_coef, g_entropy = _row_coefs(
-            rows,
-            valid,
-            lse_ptr,
-            entropy_ptr,
-            gl_ptr,
-            stride_gl,
-            glp_ptr,
-            stride_glp,
-            ge_ptr,
-            stride_ge,
-            smoothing,
-            smooth_over_v,
-            z_loss,
-            HAS_GL,
-            HAS_GLP,
-            HAS_GE,
-            HAS_SMOOTHING,
-            HAS_ZLOSS,
-        )
-        # ignored rows: exp(-inf) = 0, so nothing overflows against their placeholder lse
-        p = tl.exp(tl.where(valid[:, None], t - lse[:, None], float("-inf")))
-        g = logit_grad(p, t, is_y, p_coef, onehot_coef, g_entropy, HAS_GE) - smooth_coef
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        t = acc
         if HAS_TEMPERATURE:
-            g *= inv_temperature
-        tl.store(out_ptrs, g.to(out_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        t = tl.where(col_ok[None, :], t, float("-inf"))
-        m = tl.max(t, 1)
-        e = tl.exp(t - m[:, None])
-        t_minus_m = tl.where(col_ok[None, :], t - m[:, None], 0.0)
-        part = part_ptr + pid_n * N + rows
-        stat_stride = tl.cdiv(V, BN) * N
-        tl.store(part, m, mask=row_ok)
-        tl.store(part + stat_stride, tl.sum(e, 1), mask=row_ok)
-        tl.store(part + 2 * stat_stride, tl.sum(e * t_minus_m, 1), mask=row_ok)
-        tl.store(part + 3 * stat_stride, tl.sum(e * e, 1), mask=row_ok)
-        tl.store(part + 4 * stat_stride, tl.sum(tl.where(col_ok[None, :], t, 0.0), 1), mask=row_ok)
-        tl.store(best_ptr + pid_n * N + rows, pid_n * BN + tl.argmax(t, 1, tie_break_left=True), mask=row_ok)
-        y_here = valid & (y >= pid_n * BN) & (y < pid_n * BN + BN)
-        tl.store(ty_ptr + rows, tl.sum(tl.where(is_y, t, 0.0), 1), mask=y_here)
-        if MODE == 1:
-            tl.store(out_ptrs, e.to(tl.float16), mask=out_mask)
+            t = t * inv_temperature
+        y = tl.load(y_ptr + rows, mask=row_ok, other=ignore_index)
+        valid = row_ok & (y != ignore_index)
+        out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_on + cols[None, :]
+        out_mask = row_ok[:, None] & col_ok[None, :]
+        is_y = cols[None, :] == y[:, None]
+
+        if MODE == 2:
+            lse, p_coef, onehot_coef, smooth_coef, g_entropy = _row_coefs(
+                rows,
+                valid,
+                lse_ptr,
+                entropy_ptr,
+                gl_ptr,
+                stride_gl,
+                glp_ptr,
+                stride_glp,
+                ge_ptr,
+                stride_ge,
+                smoothing,
+                smooth_over_v,
+                z_loss,
+                HAS_GL,
+                HAS_GLP,
+                HAS_GE,
+                HAS_SMOOTHING,
+                HAS_ZLOSS,
+            )
+            # ignored rows: exp(-inf) = 0, so nothing overflows against their placeholder lse
+            p = tl.exp(tl.where(valid[:, None], t - lse[:, None], float("-inf")))
+            g = logit_grad(p, t, is_y, p_coef, onehot_coef, g_entropy, HAS_GE) - smooth_coef
+            if HAS_TEMPERATURE:
+                g *= inv_temperature
+            if TMA_OUT:
+                out_desc.store([pid_m * BM, pid_n * BN], g.to(out_ptr.dtype.element_ty))
+            else:
+                tl.store(out_ptrs, g.to(out_ptr.dtype.element_ty), mask=out_mask)
+        else:
+            # The statistics nobody asked for are skipped: with H = 1024 this epilogue costs as much as the mainloop.
+            # (Branching the column mask and t_y out of the tiles that need none made Triton 3.6's pipeliner fail on
+            # the flattened loop.)
+            t = tl.where(col_ok[None, :], t, float("-inf"))
+            m = tl.max(t, 1)
+            e = tl.exp(t - m[:, None])
+            part = part_ptr + pid_n * N + rows
+            tl.store(part, m, mask=row_ok)
+            tl.store(part + stat_stride, tl.sum(e, 1), mask=row_ok)
+            if ENTROPY:
+                t_minus_m = tl.where(col_ok[None, :], t - m[:, None], 0.0)
+                tl.store(part + 2 * stat_stride, tl.sum(e * t_minus_m, 1), mask=row_ok)
+            if SUM_E2:
+                tl.store(part + 3 * stat_stride, tl.sum(e * e, 1), mask=row_ok)
+            if SUM_T:
+                tl.store(part + 4 * stat_stride, tl.sum(tl.where(col_ok[None, :], t, 0.0), 1), mask=row_ok)
+            if TOP1:
+                # the first column holding the tile's max
+                first = tl.min(tl.where(t == m[:, None], cols[None, :], 2147483647), 1)
+                tl.store(best_ptr + pid_n * N + rows, first, mask=row_ok)
+            y_here = valid & (y >= pid_n * BN) & (y < pid_n * BN + BN)
+            tl.store(ty_ptr + rows, tl.sum(tl.where(is_y, t, 0.0), 1), mask=y_here)
+            if MODE == 1:
+                if TMA_OUT:
+                    out_desc.store([pid_m * BM, pid_n * BN], e.to(tl.float16))
+                else:
+                    tl.store(out_ptrs, e.to(tl.float16), mask=out_mask)
 
 
 @triton.jit
@@ -301,6 +342,10 @@ def _merge_kernel(
     z_loss,
     HAS_SMOOTHING: tl.constexpr,
     HAS_ZLOSS: tl.constexpr,
+    ENTROPY: tl.constexpr,
+    TOP1: tl.constexpr,
+    SUM_T: tl.constexpr,
+    SUM_E2: tl.constexpr,
     BR: tl.constexpr,
     BT: tl.constexpr,
 ):
@@ -332,12 +377,17 @@ def _merge_kernel(
         scale = tl.where(mask, tl.exp(shift), 0.0)
         s = tl.load(part_ptr + stat_stride + offs, mask=mask, other=0.0)
         sum_e += tl.sum(scale * s, 0)
-        sum_e_tm += tl.sum(scale * (tl.load(part_ptr + 2 * stat_stride + offs, mask=mask, other=0.0) + shift * s), 0)
-        sum_e2 += tl.sum(scale * scale * tl.load(part_ptr + 3 * stat_stride + offs, mask=mask, other=0.0), 0)
-        sum_t += tl.sum(tl.load(part_ptr + 4 * stat_stride + offs, mask=mask, other=0.0), 0)
-        # argmax indices grow with the tile, so the smallest among the tiles holding the max is the first argmax
-        cand = tl.load(best_ptr + offs, mask=mask & (m == row_max[None, :]), other=2147483647)
-        best = tl.minimum(best, tl.min(cand, 0))
+        if ENTROPY:
+            t_m = tl.load(part_ptr + 2 * stat_stride + offs, mask=mask, other=0.0)
+            sum_e_tm += tl.sum(scale * (t_m + shift * s), 0)
+        if SUM_E2:
+            sum_e2 += tl.sum(scale * scale * tl.load(part_ptr + 3 * stat_stride + offs, mask=mask, other=0.0), 0)
+        if SUM_T:
+            sum_t += tl.sum(tl.load(part_ptr + 4 * stat_stride + offs, mask=mask, other=0.0), 0)
+        if TOP1:
+            # argmax indices grow with the tile, so the smallest among the tiles holding the max is the first argmax
+            cand = tl.load(best_ptr + offs, mask=mask & (m == row_max[None, :]), other=2147483647)
+            best = tl.minimum(best, tl.min(cand, 0))
     sum_e = tl.where(valid, sum_e, 1.0)
     log_sum_exp = tl.log(sum_e)
     lse = tl.where(valid, row_max, 0.0) + log_sum_exp
@@ -350,11 +400,20 @@ def _merge_kernel(
     tl.store(loss_ptr + rows, tl.where(valid, loss, 0.0), mask=row_ok)
     tl.store(lse_ptr + rows, tl.where(valid, lse, 0.0), mask=row_ok)
     tl.store(logprob_ptr + rows, tl.where(valid, t_y - lse, 0.0), mask=row_ok)
-    # H = log(sum e) - sum e (t - m) / sum e: no cancellation of two large terms
-    tl.store(entropy_ptr + rows, tl.where(valid, log_sum_exp - sum_e_tm / sum_e, 0.0), mask=row_ok)
-    tl.store(top1_ptr + rows, (valid & (best == y)).to(tl.int8), mask=row_ok)
+    # statistics not computed are written as 0
+    entropy = tl.zeros((BR,), tl.float32)
+    if ENTROPY:
+        # H = log(sum e) - sum e (t - m) / sum e: no cancellation of two large terms
+        entropy = log_sum_exp - sum_e_tm / sum_e
+    tl.store(entropy_ptr + rows, tl.where(valid, entropy, 0.0), mask=row_ok)
+    is_top1 = valid & (best == y)
+    if not TOP1:
+        is_top1 = tl.zeros_like(valid)
+    tl.store(top1_ptr + rows, is_top1.to(tl.int8), mask=row_ok)
     tl.store(mean_ptr + rows, tl.where(valid, sum_t / V, 0.0), mask=row_ok)
-    log_sum_sq = tl.log(tl.where(valid, sum_e2, 1.0)) - 2.0 * log_sum_exp
+    log_sum_sq = tl.zeros((BR,), tl.float32)
+    if SUM_E2:
+        log_sum_sq = tl.log(tl.where(valid, sum_e2, 1.0)) - 2.0 * log_sum_exp
     tl.store(lssp_ptr + rows, tl.where(valid, log_sum_sq, 0.0), mask=row_ok)
 
 
@@ -464,9 +523,9 @@ def supports(dtype: torch.dtype, weight: torch.Tensor, bias: torch.Tensor | None
     )
 
 
-def bytes_per_logit(vocab: int) -> float:
-    """Chunk memory per logit: e (then the gradient) in 16 bits, plus the partial statistics."""
-    return 2 + partial_bytes_per_row(vocab) / vocab
+def bytes_per_logit(vocab: int, keep: bool = True) -> float:
+    """Chunk memory per logit: e (then the gradient) in 16 bits when it is kept, plus the partial statistics."""
+    return (2 if keep else 0) + partial_bytes_per_row(vocab) / vocab
 
 
 def _vectors(upstream, spare):
@@ -475,6 +534,17 @@ def _vectors(upstream, spare):
         g = spare if g is None else g
         args += [g, g.stride(0) if g.dim() else 0]
     return args
+
+
+def _stat_flags(params: TileParams, wanted: bool = True) -> dict:
+    """Which optional partial statistics the epilogue computes (the sum of t also serves label smoothing)."""
+    stats = params.optional_stats if wanted else frozenset()
+    return dict(
+        ENTROPY="entropy" in stats,
+        TOP1="is_top1" in stats,
+        SUM_T="mean_logit" in stats or params.label_smoothing != 0.0,
+        SUM_E2="log_sum_sq_probs" in stats,
+    )
 
 
 def _option_flags(params: TileParams, upstream) -> dict:
@@ -493,7 +563,12 @@ def _gemm(x, weight, bias, target, params, mode, out, partials, best, t_y, lse, 
         # device-side tensor descriptors live in scratch memory that Triton asks its allocator for
         triton.set_allocator(_tma_scratch)
     spare = partials if partials is not None else lse
-    _head_gemm_kernel[lambda meta: (triton.cdiv(n, meta["BM"]) * triton.cdiv(params.vocab, meta["BN"]),)](
+    programs = _program_limit(x.device)
+
+    def grid(meta):
+        return (min(programs, triton.cdiv(n, meta["BM"]) * triton.cdiv(params.vocab, meta["BN"])),)
+
+    _head_gemm_kernel[grid](
         x,
         x.stride(0),
         weight,
@@ -522,7 +597,9 @@ def _gemm(x, weight, bias, target, params, mode, out, partials, best, t_y, lse, 
         UPCAST=x.device.type == "cpu",
         # float32 operands (tests) get exact products, not TF32; 16-bit ones use the tensor cores either way
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        TMA_OUT=out is not None and _tma_usable(x, weight) and _tma_aligned(out),
         **_option_flags(params, (None, None, None) if mode != MODE_GRAD else upstream),
+        **_stat_flags(params, wanted=mode != MODE_GRAD),
     )
 
 
@@ -578,6 +655,7 @@ def forward(
             params.z_loss,
             HAS_SMOOTHING=params.label_smoothing != 0.0,
             HAS_ZLOSS=params.z_loss != 0.0,
+            **_stat_flags(params),
             BR=br,
             BT=32,
             num_warps=4,

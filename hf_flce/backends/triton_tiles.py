@@ -378,13 +378,16 @@ class TritonTileOps:
     def __init__(self, block: int | None = None, num_warps: int | None = None, gemm_epilogue: bool | None = None):
         self.block = block
         self.num_warps = num_warps
+        # The logits GEMM with the softmax in its epilogue (``triton_gemm``), for 16-bit calls without softcap or class
+        # weights. By default on Hopper and newer GPUs, where it was measured faster than cuBLAS plus the tile passes
+        # (docs/PERF_NOTES.md, v6); ``HF_FLCE_GEMM_EPILOGUE=1`` (or ``gemm_epilogue=True``) uses it on every GPU,
+        # ``=0`` (``False``) never.
         if gemm_epilogue is None:
-            gemm_epilogue = os.environ.get("HF_FLCE_GEMM_EPILOGUE", "0") == "1"
-        # Opt-in: the logits GEMM with the softmax in its epilogue, for 16-bit calls without softcap or class weights.
-        # Off by default: on an H100 its Triton GEMM runs at 1.3-1.5x cuBLAS (docs/PERF_NOTES.md, v5).
+            gemm_epilogue = {"1": True, "0": False}.get(os.environ.get("HF_FLCE_GEMM_EPILOGUE", "auto"))
         from . import triton_gemm  # it builds on this module's jit helpers
 
-        self.fused_head = triton_gemm if gemm_epilogue else None
+        self.fused_head = None if gemm_epilogue is False else triton_gemm
+        self.fused_head_min_capability = 9 if gemm_epilogue is None else 0
 
     def _config(self, vocab: int, rows: int, device: torch.device) -> tuple[int, int]:
         block, num_warps = launch_config(vocab, rows, device)

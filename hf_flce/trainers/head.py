@@ -118,6 +118,8 @@ def add_flce_lm_head(
     text_config = model.config.get_text_config()
     op_temperature, op_softcap = op_transform(text_config, temperature)
     op_kwargs = dict(temperature=op_temperature, softcap=op_softcap, backend=backend, memory_budget=memory_budget)
+    # the op computes only the statistics these outputs read (TRL's names -> FLCEStats fields)
+    wanted_stats = {"mean_logit" if name == "mean_logits" else name for name in outputs if name != "log_probs"}
 
     @functools.wraps(type(model).forward)
     def flce_forward(
@@ -162,7 +164,12 @@ def add_flce_lm_head(
         mask = targets != IGNORE_INDEX
         # Run as lm_head's own forward, so FSDP1/FSDP2/ZeRO-3 gather the weight as they would for logits.
         head_loss = functools.partial(
-            head_linear_cross_entropy, lm_head, hidden, targets, upcast=cast_lm_head_to_fp32, return_stats=True
+            head_linear_cross_entropy,
+            lm_head,
+            hidden,
+            targets,
+            upcast=cast_lm_head_to_fp32,
+            return_stats=wanted_stats,
         )
         if fused_loss_type is not None:
             # nll and dft (https://huggingface.co/papers/2508.05629: each token weighted by its detached probability)
