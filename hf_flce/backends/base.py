@@ -69,7 +69,7 @@ class TileOps(Protocol):
     # torch has no 16-bit GEMM with a float32 output, so a float32 copy would hold the same values), with ``grad_out``
     # then the logits themselves; the backend's scratch must not grow with the chunk there (it is not budgeted).
     # Optional: ``fused_head``, a path that replaces the logits GEMM and these passes for calls it ``supports``:
-    # ``forward``, ``gradient``, ``recompute_gradient`` and ``bytes_per_logit`` (``triton_gemm``, opt-in).
+    # ``forward``, ``gradient``, ``recompute_gradient`` and ``bytes_per_logit`` (``triton_gemm``).
     # Optional: ``scale_into(src, scale, out) -> out``, ``out = src * scale`` with a float32 0-d ``scale``, for the
     # final scaling of the gradients (default: ``torch.mul``).
 
