@@ -425,6 +425,10 @@ def _operands(hidden, weight, bias):
     return hidden, weight.full_tensor(), None if bias is None else bias.full_tensor(), None
 
 
+def _returns_stats(options: dict) -> bool:
+    return stats_request(options.get("return_stats", False)) is not None
+
+
 def _linear_ce(hidden, weight, target, bias, options: dict):
     """The single-device or the vocabulary-parallel op, by the weight's layout; a flat tuple ``(loss, *stats)``
     (ZeRO-3's hooks look for tensors in the module's outputs, and they do not look inside dataclasses)."""
@@ -438,11 +442,7 @@ def _linear_ce(hidden, weight, target, bias, options: dict):
         out = vocab_parallel_linear_cross_entropy(
             hidden.to(weight.device), weight, target.to(weight.device), bias, process_group=group, **vp_options
         )
-    outputs = (
-        (out,)
-        if stats_request(options.get("return_stats", False)) is None
-        else (out[0], *(getattr(out[1], f.name) for f in fields(out[1])))
-    )
+    outputs = (out,) if not _returns_stats(options) else (out[0], *(getattr(out[1], f.name) for f in fields(out[1])))
     # FSDP2 skips its pre-backward hook for a module output that is a view (and warns): return per-token vectors
     # (a few bytes per token) as their own tensors.
     return tuple(t.clone() if t._base is not None else t for t in outputs)
@@ -488,6 +488,6 @@ def head_linear_cross_entropy(
 
     with _as_forward(linear, forward):
         out = head(hidden)
-    if stats_request(options.get("return_stats", False)) is None:
+    if not _returns_stats(options):
         return out[0]
     return out[0], FLCEStats(*out[1:])

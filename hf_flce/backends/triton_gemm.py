@@ -2,8 +2,9 @@
 
 The default on Hopper and newer GPUs (``HF_FLCE_GEMM_EPILOGUE=0`` switches it off, ``=1`` uses it on every GPU).
 Persistent programs walk the tiles with the tile loop flattened into the K loop, so the next tile's loads overlap this
-tile's epilogue; on an H200 the statistics GEMM runs at 1.07x (H = 4096) to 1.41x (H = 1024) cuBLAS, and the engine's
-fwd+bwd at 1.01-1.09x the 3-GEMM floor on the 7-8B heads (docs/PERF_NOTES.md, v6).
+tile's epilogue. On an H200 the statistics GEMM runs at 1.07x (llama3-8b) to 1.41x (qwen3-0.6b) cuBLAS, and the
+engine's fwd+bwd at 1.01x (llama3-8b) and 1.09x (qwen2.5-7b) the 3-GEMM floor; where the logits fit one chunk either
+way (mistral-7b) it is slower than the tile path (docs/PERF_NOTES.md, v6).
 
 The tile path (``triton_tiles``) has cuBLAS write float32 logits and reads them back twice: 12 bytes per logit more
 than the floor's bf16 GEMM. Here each ``[BM, BN]`` tile of ``t = (x W^T + b) / temperature`` stays in registers in
@@ -35,7 +36,7 @@ import triton.language as tl
 
 from . import triton_interpreting
 from .base import TileParams, TileStats
-from .triton_tiles import TritonTileOps, _sm_count, logit_grad, row_grad_coefs
+from .triton_tiles import TritonTileOps, logit_grad, row_grad_coefs, sm_count
 
 MODE_STATS = 0  # partial statistics only (no gradient wanted: eval, reference models)
 MODE_KEEP = 1  # partial statistics and e = exp(t - m_tile) in fp16, for the gradient pass
@@ -89,9 +90,7 @@ def _tma_aligned(t: torch.Tensor) -> bool:
 
 def _program_limit(device: torch.device) -> int:
     """Persistent grid: one program per SM (the interpreter runs a few, so tests still walk several tiles each)."""
-    if device.type != "cuda":
-        return 3
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return sm_count(device) if device.type == "cuda" else 3
 
 
 def _prune_configs(configs, named_args, **kwargs):
@@ -562,7 +561,8 @@ def _option_flags(params: TileParams, upstream) -> dict:
 
 def _gemm(x, weight, bias, target, params, mode, out, partials, best, t_y, lse, entropy, upstream):
     n, k = x.shape
-    if _tma_usable(x, weight):
+    use_tma = _tma_usable(x, weight)
+    if use_tma:
         # device-side tensor descriptors live in scratch memory that Triton asks its allocator for
         triton.set_allocator(_tma_scratch)
     spare = partials if partials is not None else lse
@@ -600,7 +600,7 @@ def _gemm(x, weight, bias, target, params, mode, out, partials, best, t_y, lse, 
         UPCAST=x.device.type == "cpu",
         # float32 operands (tests) get exact products, not TF32; 16-bit ones use the tensor cores either way
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        TMA_OUT=out is not None and _tma_usable(x, weight) and _tma_aligned(out),
+        TMA_OUT=use_tma and out is not None and _tma_aligned(out),
         **_option_flags(params, (None, None, None) if mode != MODE_GRAD else upstream),
         **_stat_flags(params, wanted=mode != MODE_GRAD),
     )

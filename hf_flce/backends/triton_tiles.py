@@ -347,8 +347,13 @@ def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @functools.cache
-def _sm_count(device_index: int) -> int:
+def _sm_count_of(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device (the current one when ``device`` has no index)."""
+    return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def launch_config(vocab: int, rows: int, device: torch.device) -> tuple[int, int]:
@@ -360,7 +365,7 @@ def launch_config(vocab: int, rows: int, device: torch.device) -> tuple[int, int
     if device.type != "cuda":
         # the interpreter: few, wide numpy operations are faster
         return min(triton.next_power_of_2(vocab), 256), 1
-    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    sms = sm_count(device)
     block, num_warps = (512, 1) if rows >= 12 * sms else (2048, 4) if rows >= 4 * sms else (4096, 8)
     return min(triton.next_power_of_2(vocab), block), num_warps
 
