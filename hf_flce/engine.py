@@ -114,17 +114,14 @@ def check_target_range(target: torch.Tensor, vocab: int, ignore_index: int) -> N
         torch._assert_async(~bad.any(), f"hf_flce: target outside [0, V={vocab}) and not ignore_index={ignore_index}")
 
 
-def plan_chunk_rows(
-    n_rows: int, vocab: int, hidden: int, bytes_per_logit: float, budget: int, accumulates_dw: bool
-) -> int:
+def plan_chunk_rows(n_rows: int, vocab: int, bytes_per_logit: float, budget: int, accumulator_bytes: int = 0) -> int:
     """Rows per chunk: as many as ``budget`` bytes of per-logit buffers allow, balanced so the last chunk is not a
-    sliver. Several chunks need a float32 ``[V, H]`` dW accumulator, so one chunk is taken whenever it costs no more
-    memory than that accumulator plus a budget-sized chunk (it also saves the accumulator's traffic)."""
+    sliver. Several chunks need a dW accumulator (``accumulator_bytes`` beyond the gradient), so one chunk is taken
+    whenever it costs no more memory than that accumulator plus a budget-sized chunk."""
     if n_rows == 0:
         return 1
     bytes_per_row = max(1, int(vocab * bytes_per_logit))
-    accumulator = vocab * hidden * 4 if accumulates_dw else 0
-    if n_rows * bytes_per_row <= budget + accumulator:
+    if n_rows * bytes_per_row <= budget + accumulator_bytes:
         return n_rows
     max_rows = max(1, budget // bytes_per_row)
     n_chunks = -(-n_rows // max_rows)
@@ -144,12 +141,15 @@ def _chunks(n: int, size: int):
 
 
 class _GradBuffers:
-    """dX rows, fp32-accumulated dW (written once when there is a single chunk) and db for one gradient pass.
+    """dX rows, dW (written once when there is a single chunk; across several, summed by ``residual``'s
+    ``ResidualDW`` when given, else in a float32 accumulator) and db for one gradient pass.
     ``weight`` is the GEMM operand; the gradients come out in ``x_dtype`` and ``weight_dtype``. With ``rows`` (the
     kept rows of a compacted batch of ``n_rows`` rows) each chunk's dX rows are scattered straight into the full
     dX, zero at the dropped rows, so no second ``[N, H]`` buffer is ever made."""
 
-    def __init__(self, n_rows, x_dtype, weight, weight_dtype, n_chunks, need_dx, need_dw, need_db, rows=None):
+    def __init__(
+        self, n_rows, x_dtype, weight, weight_dtype, n_chunks, need_dx, need_dw, need_db, rows=None, residual=None
+    ):
         self.dx = None
         if need_dx:
             alloc = torch.empty if rows is None else torch.zeros
@@ -158,6 +158,9 @@ class _GradBuffers:
         self.single = n_chunks == 1
         self.dw = None
         self.need_dw = need_dw
+        self.residual = None
+        if need_dw and residual is not None and n_chunks > 1:
+            self.residual = residual.ResidualDW(tuple(weight.shape), weight_dtype, weight.device, n_chunks)
         self.db = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_db else None
         self.weight = weight
         self.weight_dtype = weight_dtype
@@ -172,7 +175,9 @@ class _GradBuffers:
                 torch.mm(grad_logits, self.weight, out=self.dx[start:end])
             else:
                 self.dx[start:end] = mm_fp32(grad_logits, self.weight)
-        if self.need_dw:
+        if self.residual is not None:
+            self.residual.add(grad_logits, x_chunk)
+        elif self.need_dw:
             if self.dw is None and (not self.single or self.weight_dtype == torch.float32):
                 self.dw = dw_product(grad_logits, x_chunk)  # the first chunk initialises the accumulator
             elif self.single:
@@ -189,7 +194,12 @@ class _GradBuffers:
         backend's multiply (the scale is read in float32 either way)."""
         scale_into = scale_into or (lambda src, s, out: torch.mul(src, s, out=out))
         dx, dw, db = self.dx, None, self.db
-        if self.need_dw:
+        if self.residual is not None:
+            # the 16-bit gradient itself; a scale that is not a power of two rounds it once more
+            dw = self.residual.result()
+            dw = dw if scale is None else scale_into(dw, scale, dw)
+            self.residual = None
+        elif self.need_dw:
             out = dict(dtype=self.weight_dtype, device=self.weight.device)
             if self.dw is None:
                 dw = torch.zeros(self.weight.shape, **out)
@@ -225,11 +235,41 @@ def _bytes_per_logit(plan: CallPlan, grad_dtype: torch.dtype | None, logits_16bi
     return 4 + plan.tiles.scratch_bytes_per_logit + (grad_dtype.itemsize if separate_grad else 0)
 
 
-def _plan_rows(plan: CallPlan, n_rows: int, vocab: int, hidden: int, per_logit, accumulates_dw: bool, logits_16bit):
-    chunk = plan_chunk_rows(n_rows, vocab, hidden, per_logit, plan.budget, accumulates_dw)
-    if logits_16bit and accumulates_dw and chunk < n_rows:
+def _gemm_path_allowed(plan: CallPlan, weight: torch.Tensor) -> bool:
+    """The backend's epilogue GEMM (``triton_gemm``) runs by default only on the GPUs it was measured on (Hopper and
+    newer): ``TileOps.gemm_min_capability``."""
+    min_capability = getattr(plan.tiles, "gemm_min_capability", 0)
+    return not min_capability or (
+        weight.device.type == "cuda" and torch.cuda.get_device_capability(weight.device)[0] >= min_capability
+    )
+
+
+def _residual_dw(plan: CallPlan, x: torch.Tensor, weight: torch.Tensor):
+    """The backend's dW summation into the 16-bit gradient plus an int8 residual (``backends/triton_dw.py``) when it
+    offers one (opt-in) and this call fits it, else None (a float32 accumulator)."""
+    residual = getattr(plan.tiles, "residual_dw", None)
+    dtype = plan.compute_dtype or x.dtype
+    return residual if residual is not None and residual.supports(dtype, weight.dtype, weight.device) else None
+
+
+def _accumulator_bytes(residual, weight: torch.Tensor, need_dw: bool) -> int:
+    """Memory that summing dW across chunks takes: an int8 residual, or a float32 accumulator (for a float32 weight
+    that is the gradient itself; one chunk is still taken up to that size, which saves the accumulator's traffic)."""
+    if not need_dw:
+        return 0
+    return weight.numel() * (1 if residual is not None else 4)
+
+
+def _plan_rows(plan: CallPlan, n_rows: int, vocab: int, per_logit, residual, accumulator: int, logits_16bit):
+    """Rows per chunk. The budget covers the chunk buffers and an int8 dW residual (``V H`` bytes): the memory the
+    call takes beyond its inputs and gradients stays within it, chunks getting at least a quarter. A float32
+    accumulator (no residual GEMM: before Hopper, or on CPU) comes on top of the budget: it is 4 bytes per weight,
+    and every extra chunk would cost a pass over it."""
+    budget = max(plan.budget - accumulator, plan.budget // 4) if residual is not None else plan.budget
+    chunk = plan_chunk_rows(n_rows, vocab, per_logit, budget, accumulator)
+    if logits_16bit and accumulator and chunk < n_rows:
         # several chunks: dw_product upcasts each chunk's 16-bit gradient (CPU has no float32-output GEMM)
-        chunk = plan_chunk_rows(n_rows, vocab, hidden, per_logit + 4, plan.budget, accumulates_dw)
+        chunk = plan_chunk_rows(n_rows, vocab, per_logit + 4, budget, accumulator)
     return chunk
 
 
@@ -253,13 +293,7 @@ def _fused_head(plan: CallPlan, x: torch.Tensor, weight: torch.Tensor, bias: tor
     dtype = plan.compute_dtype or x.dtype
     if fused is None or x.stride(-1) != 1 or not fused.supports(dtype, weight, bias, plan.params):
         return None
-    # by default only on the GPUs it was measured on (Hopper and newer)
-    min_capability = getattr(plan.tiles, "fused_head_min_capability", 0)
-    if min_capability and (
-        weight.device.type != "cuda" or torch.cuda.get_device_capability(weight.device)[0] < min_capability
-    ):
-        return None
-    return fused
+    return fused if _gemm_path_allowed(plan, weight) else None
 
 
 def _chunk_forward(x_chunk, w_c, bias, ys, plan: CallPlan, fused, scale, eager: bool, keep: bool):
@@ -313,6 +347,8 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
 
         eager = need_grad and plan.reduction == "scalar"
         fused = _fused_head(plan, x, w_c, bias)
+        residual = _residual_dw(plan, x, weight) if eager else None
+        accumulator = _accumulator_bytes(residual, weight, eager and need_dw)
         logits_16bit = fused is None and _logits_16bit(plan, x, bias)
         if fused is not None:
             # without a gradient in forward only the partial statistics take memory; kept logits are one chunk
@@ -321,7 +357,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         else:
             per_logit = _bytes_per_logit(plan, (plan.compute_dtype or x.dtype) if eager else None, logits_16bit)
             kept_per_logit = 2 if logits_16bit else 4
-        chunk = _plan_rows(plan, n_valid, vocab, x.shape[1], per_logit, eager and need_dw, logits_16bit)
+        chunk = _plan_rows(plan, n_valid, vocab, per_logit, residual, accumulator, logits_16bit)
         n_chunks = max(1, -(-n_valid // chunk))
         keep_logits = (
             need_grad and not eager and n_valid > 0 and n_valid * vocab * kept_per_logit <= _keep_limit(plan, x.device)
@@ -341,7 +377,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
 
         grads = None
         if eager:
-            grads = _GradBuffers(n, x.dtype, w_c, weight.dtype, n_chunks, need_dx, need_dw, need_db, rows)
+            grads = _GradBuffers(n, x.dtype, w_c, weight.dtype, n_chunks, need_dx, need_dw, need_db, rows, residual)
         grad_scale = None
         if eager:
             grad_scale = (1.0 / plan.denominator).to(torch.float32).expand(min(chunk, max(n_valid, 1)))
@@ -457,11 +493,13 @@ def _recompute_grads(
         per_logit = x.dtype.itemsize if plan.compute_dtype is None else plan.compute_dtype.itemsize
     else:
         per_logit = _bytes_per_logit(plan, plan.compute_dtype or x.dtype, logits_16bit)
-    chunk = _plan_rows(plan, n_valid, weight.shape[0], x.shape[1], per_logit, need_dw, logits_16bit)
+    residual = _residual_dw(plan, x, weight)
+    accumulator = _accumulator_bytes(residual, weight, need_dw)
+    chunk = _plan_rows(plan, n_valid, weight.shape[0], per_logit, residual, accumulator, logits_16bit)
     if kept is not None:
         chunk = max(n_valid, 1)
     n_chunks = max(1, -(-n_valid // chunk))
-    grads = _GradBuffers(n, x.dtype, w_c, weight.dtype, n_chunks, need_dx, need_dw, need_db, rows)
+    grads = _GradBuffers(n, x.dtype, w_c, weight.dtype, n_chunks, need_dx, need_dw, need_db, rows, residual)
     for start, end in _chunks(n_valid, chunk):
         x_chunk = _chunk_rows(x, rows, start, end, plan)
         sl = slice(start, end)

@@ -96,7 +96,7 @@ def budget_sweep(name: str) -> list[dict]:
         extra = torch.cuda.max_memory_allocated() - base - sum(g.nbytes for g in grads)
         del grads
         n_valid = int((y != -100).sum())
-        chunk = plan_chunk_rows(n_valid, v, h, 4, budget, True)
+        chunk = plan_chunk_rows(n_valid, v, 4, budget, 4 * v * h)
         rows.append(
             dict(
                 shape=name,

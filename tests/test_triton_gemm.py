@@ -29,7 +29,7 @@ def epilogue_on():
     """By default the path serves Hopper and newer GPUs only: switch it on for every device (the interpreter too),
     as ``HF_FLCE_GEMM_EPILOGUE=1`` does, for the backend the public API resolves to."""
     tiles = resolve_backend("triton", DEVICE)
-    with mock.patch.object(tiles, "fused_head", triton_gemm), mock.patch.object(tiles, "fused_head_min_capability", 0):
+    with mock.patch.object(tiles, "fused_head", triton_gemm), mock.patch.object(tiles, "gemm_min_capability", 0):
         yield
 
 
@@ -58,7 +58,7 @@ def half(hidden, weight, bias, dtype=torch.float16):
 @pytest.mark.parametrize("names", FUSABLE, ids=lambda c: "+".join(c) or "plain")
 @pytest.mark.parametrize(
     "reduction, budget, path",
-    [("mean", None, "eager"), ("mean", 4096, "eager"), ("none", None, "kept"), ("none", 4096, "recompute")],
+    [("mean", None, "eager"), ("mean", 8192, "eager"), ("none", None, "kept"), ("none", 8192, "recompute")],
     ids=["mean", "mean-chunks", "none-kept", "none-recompute"],
 )
 def test_engine_paths(names, reduction, budget, path, fused_calls):
@@ -154,14 +154,14 @@ def test_unsupported_options_take_the_tile_path(names, fused_calls):
 def test_switch():
     assert TritonTileOps(gemm_epilogue=False).fused_head is None
     on = TritonTileOps(gemm_epilogue=True)
-    assert on.fused_head is triton_gemm and on.fused_head_min_capability == 0
+    assert on.fused_head is triton_gemm and on.gemm_min_capability == 0
     with mock.patch.dict("os.environ", {"HF_FLCE_GEMM_EPILOGUE": "1"}):
-        assert TritonTileOps().fused_head_min_capability == 0
+        assert TritonTileOps().gemm_min_capability == 0
     with mock.patch.dict("os.environ", {"HF_FLCE_GEMM_EPILOGUE": "0"}):
         assert TritonTileOps().fused_head is None
     with mock.patch.dict("os.environ", {"HF_FLCE_GEMM_EPILOGUE": "auto"}):
         auto = TritonTileOps()
-    assert auto.fused_head is triton_gemm and auto.fused_head_min_capability == 9
+    assert auto.fused_head is triton_gemm and auto.gemm_min_capability == 9
 
 
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="the default on a CPU device (the interpreter)")
@@ -169,7 +169,7 @@ def test_default_skips_devices_it_was_not_measured_on(fused_calls):
     hidden, weight, target, bias, opts = build((), n=10)
     tiles = resolve_backend("triton", DEVICE)
     h, w, b = half(hidden, weight, bias)
-    with mock.patch.object(tiles, "fused_head_min_capability", 9):
+    with mock.patch.object(tiles, "gemm_min_capability", 9):
         check(h, w, target, b, tol=TOL, grad_tol=GRAD_TOL, **opts)
     assert fused_calls["forward"] == 0
 

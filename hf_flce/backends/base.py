@@ -70,6 +70,10 @@ class TileOps(Protocol):
     # then the logits themselves; the backend's scratch must not grow with the chunk there (it is not budgeted).
     # Optional: ``fused_head``, a path that replaces the logits GEMM and these passes for calls it ``supports``:
     # ``forward``, ``gradient``, ``recompute_gradient`` and ``bytes_per_logit`` (``triton_gemm``).
+    # Optional: ``residual_dw``, for calls it ``supports``, a ``ResidualDW`` that sums the chunks' dW into the 16-bit
+    # gradient plus an int8 residual instead of a float32 accumulator (``triton_dw``).
+    # Optional: ``gemm_min_capability``, the CUDA compute capability (major) below which the engine does not take
+    # ``fused_head`` (0: any device it supports).
     # Optional: ``scale_into(src, scale, out) -> out``, ``out = src * scale`` with a float32 0-d ``scale``, for the
     # final scaling of the gradients (default: ``torch.mul``).
 

@@ -380,7 +380,13 @@ class TritonTileOps:
     # A 16-bit gradient may live in the second half of each float32 logits row (see the gradient loop).
     grad_in_row_tail = True
 
-    def __init__(self, block: int | None = None, num_warps: int | None = None, gemm_epilogue: bool | None = None):
+    def __init__(
+        self,
+        block: int | None = None,
+        num_warps: int | None = None,
+        gemm_epilogue: bool | None = None,
+        dw_residual: bool | None = None,
+    ):
         self.block = block
         self.num_warps = num_warps
         # The logits GEMM with the softmax in its epilogue (``triton_gemm``), for 16-bit calls without softcap or class
@@ -389,10 +395,16 @@ class TritonTileOps:
         # ``=0`` (``False``) never.
         if gemm_epilogue is None:
             gemm_epilogue = {"1": True, "0": False}.get(os.environ.get("HF_FLCE_GEMM_EPILOGUE", "auto"))
-        from . import triton_gemm  # it builds on this module's jit helpers
+        # dW summed across chunks into the 16-bit gradient plus an int8 residual (``triton_dw``): V H bytes instead
+        # of a 4 V H float32 accumulator, and the budget covers it. Opt-in (``HF_FLCE_DW_RESIDUAL=1`` or
+        # ``dw_residual=True``): its GEMM runs well behind cuBLAS (docs/PERF_NOTES.md, v7).
+        if dw_residual is None:
+            dw_residual = os.environ.get("HF_FLCE_DW_RESIDUAL", "0") == "1"
+        from . import triton_dw, triton_gemm  # they build on this module's jit helpers
 
         self.fused_head = None if gemm_epilogue is False else triton_gemm
-        self.fused_head_min_capability = 9 if gemm_epilogue is None else 0
+        self.residual_dw = triton_dw if dw_residual else None
+        self.gemm_min_capability = 9 if gemm_epilogue is None else 0
 
     def _config(self, vocab: int, rows: int, device: torch.device) -> tuple[int, int]:
         block, num_warps = launch_config(vocab, rows, device)
