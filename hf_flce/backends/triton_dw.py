@@ -31,16 +31,15 @@ import triton
 import triton.language as tl
 
 from . import triton_interpreting
-from .triton_gemm import _tma_scratch, grouped_tile
-from .triton_tiles import TritonTileOps, sm_count
+from .triton_gemm import _program_limit, _tma_scratch, _tma_usable, grouped_tile
+from .triton_tiles import TritonTileOps
 
 # Bits of the 16-bit dtypes' significands, and the smallest float32 biased exponent whose residual unit is a normal
 # float32 (bf16), or of fp16's normal numbers (their subnormals share that ulp). Smaller gradients get that unit.
 _FORMAT = {torch.bfloat16: (7, 16), torch.float16: (10, 113)}
-_RESIDUAL_BITS = 8
 
 
-def _config(device: torch.device, use_tma: bool) -> triton.Config:
+def _config() -> triton.Config:
     if triton_interpreting():
         return triton.Config({"BM": 16, "BN": 32, "BK": 16, "GROUP_M": 4, "FLATTEN": False}, num_warps=4, num_stages=1)
     override = os.environ.get("HF_FLCE_DW_TILE")  # "BM,BN,BK,warps,stages", for scripts/probe_dw_accumulate.py
@@ -158,16 +157,6 @@ def supports(grad_dtype: torch.dtype, weight_dtype: torch.dtype, device: torch.d
     )
 
 
-def _tma_ready(*tensors: torch.Tensor) -> bool:
-    if any(t.device.type != "cuda" for t in tensors) or not hasattr(tl, "make_tensor_descriptor"):
-        return False
-    if os.environ.get("HF_FLCE_GEMM_TMA", "1") == "0" or torch.cuda.get_device_capability(tensors[0].device)[0] < 9:
-        return False
-    # Row strides in multiples of 16 elements, not just 16 bytes: with a stride Triton does not specialise as
-    # divisible by 16, the 128x256 TMA configuration needed 272 KiB of shared memory on an H200 (over the limit).
-    return all(t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0 for t in tensors)
-
-
 class ResidualDW:
     """``dW = sum_c G_c^T X_c`` over ``n_chunks`` calls of ``add``, kept as the 16-bit gradient plus an int8
     residual (see the module docstring). ``result()`` is the gradient once every chunk was added.
@@ -194,12 +183,19 @@ class ResidualDW:
         rows = grad_logits.shape[0]
         m, n = self.hi.shape
         grad_logits, x_chunk = (t if t.stride(-1) == 1 else t.contiguous() for t in (grad_logits, x_chunk))
-        use_tma = rows > 0 and _tma_ready(grad_logits, x_chunk)
+        # Row strides in multiples of 16 elements, not just 16 bytes: with a stride Triton does not specialise as
+        # divisible by 16, the 128x256 TMA configuration needed 272 KiB of shared memory on an H200 (over the limit).
+        use_tma = (
+            rows > 0
+            and _tma_usable(grad_logits, x_chunk)
+            and grad_logits.stride(0) % 16 == 0
+            and x_chunk.stride(0) % 16 == 0
+        )
         if use_tma:
             triton.set_allocator(_tma_scratch)
-        config = _config(self.hi.device, use_tma)
+        config = _config()
         bm, bn = config.kwargs["BM"], config.kwargs["BN"]
-        programs = sm_count(self.hi.device) if self.hi.device.type == "cuda" else 3
+        programs = _program_limit(self.hi.device)
         mant, min_exp = _FORMAT[self.hi.dtype]
         lo = self.hi if self.lo is None else self.lo  # unused pointer when there is one chunk
         with TritonTileOps._device_guard(self.hi.device):
