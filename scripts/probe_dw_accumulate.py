@@ -2,10 +2,10 @@
 
 Three questions, one section each (CUDA only):
 
-- ``gemm``: one chunk's dW product ``G^T X`` (``[V, H]``, K = rows per chunk) by cuBLAS with a bf16 output (what one
-  chunk costs when nothing is summed: the floor), by cuBLAS adding into a float32 accumulator (the previous default),
-  and by the residual GEMM for a first, middle and last chunk, over a few tile shapes;
 - ``accuracy``: dW summed over 4 chunks against float64: residual, float32 accumulator, bf16 sums, one GEMM;
+- ``epilogue``: one chunk's dW product ``G^T X`` (``[V, H]``, K = rows per chunk) by cuBLAS with a bf16 output (the
+  floor: nothing summed), by cuBLAS adding into a float32 accumulator (the default), and by the residual GEMM for a
+  first, middle and last chunk, with ``hi``/``lo`` moved by TMA or by per-thread accesses, over a few tile shapes;
 - ``engine``: fwd+bwd of the whole op at the default budget, residual on and off: time ÷ the 3-GEMM floor and memory
   beyond the inputs and gradients.
 
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -27,17 +26,19 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import hf_flce  # noqa: E402
-from hf_flce.backends import resolve_backend  # noqa: E402
-from hf_flce.backends.triton_dw import ResidualDW  # noqa: E402
+from hf_flce.backends import (  # noqa: E402
+    resolve_backend,  # noqa: E402
+    triton_dw,
+)
+from hf_flce.backends.triton_dw import ResidualDW, tile_config  # noqa: E402
 
+DEVICE = "cuda"  # a dry run of the script's logic may set "cpu" (with TRITON_INTERPRET=1 and small SHAPES)
 SHAPES = {
     "llama3-8b": (128256, 4096, 8192),
     "qwen2.5-7b": (152064, 3584, 8192),
     "mistral-7b": (32768, 4096, 8192),
     "qwen3-0.6b": (151936, 1024, 16384),
 }
-ROWS = (1024, 1639, 2048, 4096)
-TILES = ("128,256,64,8,3", "256,128,64,8,3", "128,128,64,4,4", "128,256,64,8,4")
 
 
 def time_ms(fn, warmup=3, reps=10) -> float:
@@ -55,6 +56,66 @@ def time_ms(fn, warmup=3, reps=10) -> float:
     return statistics.median(times)
 
 
+def tile_name(tile) -> str:
+    return ",".join(str(v) for v in tile)
+
+
+def try_time(fn):
+    try:
+        return time_ms(fn)
+    except Exception as exc:  # e.g. a tile shape that does not fit shared memory
+        return f"{type(exc).__name__}: {str(exc)[:200]}"
+
+
+EPILOGUE_TILES = (
+    (128, 128, 64, 8, 4),
+    (128, 128, 64, 8, 3),
+    (128, 128, 64, 4, 4),
+    (128, 256, 32, 8, 3),
+    (256, 128, 32, 8, 3),
+)
+
+
+def epilogue_section(shapes) -> list[dict]:
+    """The residual GEMM with ``hi``/``lo`` moved by TMA or by per-thread loads and stores, for a first, middle and
+    last chunk over a few tile shapes, next to cuBLAS (bf16 output, and adding into float32)."""
+    out = []
+    for name in shapes:
+        for rows in (1639, 4096):
+            rec = epilogue_record(name, rows)
+            print(json.dumps(rec), flush=True)
+            out.append(rec)
+            torch.cuda.empty_cache()
+    return out
+
+
+def epilogue_record(name: str, rows: int) -> dict:
+    v, h, _ = SHAPES[name]
+    g = (torch.randn(rows, v, device=DEVICE) * 1e-3).bfloat16()
+    x = torch.randn(rows, h, device=DEVICE).bfloat16()
+    rec = dict(shape=name, v=v, h=h, rows=rows)
+    rec["cublas_bf16_ms"] = time_ms(lambda: torch.mm(g.t(), x))
+    f32 = torch.zeros(v, h, device=DEVICE)
+    rec["cublas_fp32_acc_ms"] = time_ms(lambda: torch.addmm(f32, g.t(), x, out_dtype=torch.float32, out=f32))
+    f32 = None
+    acc = ResidualDW((v, h), torch.bfloat16, torch.device(DEVICE), n_chunks=3)
+    for tile in EPILOGUE_TILES:
+        acc.config = tile_config(*tile)
+        for tma in (True, False):
+            acc.tma_epilogue = tma
+            for pos in ("first", "middle", "last"):
+                key = f"{pos}_{'tma' if tma else 'plain'}_{tile_name(tile)}_ms"
+                rec[key] = try_time(lambda p=pos: residual_call(acc, g, x, p))
+    for pos in ("first", "middle", "last"):
+        times = {k: t for k, t in rec.items() if k.startswith(pos + "_") and isinstance(t, float)}
+        if times:
+            best = min(times, key=times.get)
+            rec[f"best_{pos}"] = best
+            rec[f"best_{pos}_vs_cublas_bf16"] = times[best] / rec["cublas_bf16_ms"]
+            rec[f"best_{pos}_vs_cublas_fp32_acc"] = times[best] / rec["cublas_fp32_acc_ms"]
+    return rec
+
+
 def residual_call(acc: ResidualDW, g, x, position: str):
     """One chunk's add as the ``position`` chunk of three (the probe re-runs it, so the count is reset each time)."""
     acc.added = {"first": 0, "middle": 1, "last": 2}[position]
@@ -63,43 +124,12 @@ def residual_call(acc: ResidualDW, g, x, position: str):
     acc.add(g, x)
 
 
-def gemm_section(shapes) -> list[dict]:
-    out = []
-    for name in shapes:
-        v, h, _ = SHAPES[name]
-        for rows in ROWS:
-            g = (torch.randn(rows, v, device="cuda") * 1e-3).bfloat16()
-            x = torch.randn(rows, h, device="cuda").bfloat16()
-            floor = time_ms(lambda g=g, x=x: torch.mm(g.t(), x))
-            f32 = torch.zeros(v, h, device="cuda")
-            addmm = time_ms(lambda g=g, x=x, f=f32: torch.addmm(f, g.t(), x, out_dtype=torch.float32, out=f))
-            f32 = None
-            acc = ResidualDW((v, h), torch.bfloat16, torch.device("cuda"), n_chunks=3)
-            rec = dict(shape=name, v=v, h=h, rows=rows, cublas_bf16_ms=floor, cublas_fp32_acc_ms=addmm)
-            for tile in TILES:
-                os.environ["HF_FLCE_DW_TILE"] = tile
-                positions = ("first", "middle", "last") if tile == TILES[0] else ("middle",)
-                for pos in positions:
-                    try:
-                        rec[f"residual_{pos}_{tile}_ms"] = time_ms(
-                            lambda a=acc, g=g, x=x, p=pos: residual_call(a, g, x, p)
-                        )
-                    except Exception as exc:  # a tile shape that does not fit shared memory
-                        rec[f"residual_{pos}_{tile}_ms"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-            os.environ.pop("HF_FLCE_DW_TILE", None)
-            print(json.dumps(rec), flush=True)
-            out.append(rec)
-            g = x = acc = None
-            torch.cuda.empty_cache()
-    return out
-
-
 def accuracy_section() -> list[dict]:
     v, h, n = 32768, 4096, 8192
     torch.manual_seed(0)
-    x = torch.randn(n, h, device="cuda").bfloat16()
-    logits = torch.randn(n, v, device="cuda") * 2
-    y = torch.randint(0, v, (n,), device="cuda")
+    x = torch.randn(n, h, device=DEVICE).bfloat16()
+    logits = torch.randn(n, v, device=DEVICE) * 2
+    y = torch.randint(0, v, (n,), device=DEVICE)
     out = []
     for dist, peak in (("flat", 0.0), ("peaked", 14.0)):
         z = logits.clone()
@@ -110,9 +140,9 @@ def accuracy_section() -> list[dict]:
         del z
         ref = g.double().t() @ x.double()
         chunks = [(g[s : s + n // 4], x[s : s + n // 4]) for s in range(0, n, n // 4)]
-        acc = ResidualDW((v, h), torch.bfloat16, torch.device("cuda"), n_chunks=4)
-        f32 = torch.zeros(v, h, device="cuda")
-        b16 = torch.zeros(v, h, device="cuda", dtype=torch.bfloat16)
+        acc = ResidualDW((v, h), torch.bfloat16, torch.device(DEVICE), n_chunks=4)
+        f32 = torch.zeros(v, h, device=DEVICE)
+        b16 = torch.zeros(v, h, device=DEVICE, dtype=torch.bfloat16)
         for gc, xc in chunks:
             acc.add(gc, xc)
             torch.addmm(f32, gc.t(), xc, out_dtype=torch.float32, out=f32)
@@ -138,19 +168,21 @@ def accuracy_section() -> list[dict]:
 
 
 def engine_section(shapes) -> list[dict]:
-    tiles = resolve_backend("triton", torch.device("cuda"))
+    tiles = resolve_backend("triton", torch.device(DEVICE))
     out = []
     for name in shapes:
         v, h, n = SHAPES[name]
-        x = torch.randn(n, h, device="cuda").bfloat16()
-        w = (torch.randn(v, h, device="cuda") / h**0.5).bfloat16()
-        y = torch.randint(0, v, (n,), device="cuda")
+        x = torch.randn(n, h, device=DEVICE).bfloat16()
+        w = (torch.randn(v, h, device=DEVICE) / h**0.5).bfloat16()
+        y = torch.randint(0, v, (n,), device=DEVICE)
         logits = torch.mm(x, w.t())
         floor = time_ms(lambda x=x, w=w, z=logits: (torch.mm(x, w.t()), torch.mm(z, w), torch.mm(z.t(), x)))
         logits = None
         rec = dict(shape=name, n=n, v=v, h=h, floor_3gemm_ms=floor)
-        for label, residual in (("on", tiles.residual_dw), ("off", None)):
-            with mock.patch.object(tiles, "residual_dw", residual):
+        variants = [("off", None, False), ("on", tiles.residual_dw or triton_dw, True)]
+        variants.append(("on_plain_epilogue", tiles.residual_dw or triton_dw, False))
+        for label, residual, tma in variants:
+            with mock.patch.object(tiles, "residual_dw", residual), mock.patch.object(ResidualDW, "tma_epilogue", tma):
                 xg, wg = x.detach().requires_grad_(), w.detach().requires_grad_()
 
                 def step(xg=xg, wg=wg, y=y):
@@ -167,9 +199,15 @@ def engine_section(shapes) -> list[dict]:
                 grads = xg.grad.nbytes + wg.grad.nbytes
                 rec[f"{label}_extra_beyond_grads_gib"] = (torch.cuda.max_memory_allocated() - base - grads) / 2**30
                 rec[f"{label}_ratio"] = rec[f"{label}_ms"] / floor
+                if label == "off":
+                    ref_grads = (xg.grad.float(), wg.grad.float())
+                else:
+                    # the same gradients as the float32 accumulator's, up to one bf16 step here and there
+                    rec[f"{label}_dw_rel_diff"] = float((wg.grad.float() - ref_grads[1]).norm() / ref_grads[1].norm())
+                    rec[f"{label}_dx_rel_diff"] = float((xg.grad.float() - ref_grads[0]).norm() / ref_grads[0].norm())
         print(json.dumps(rec), flush=True)
         out.append(rec)
-        x = w = None
+        x = w = ref_grads = None
         torch.cuda.empty_cache()
     return out
 
@@ -177,7 +215,7 @@ def engine_section(shapes) -> list[dict]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="probe_dw_accumulate.json")
-    p.add_argument("--sections", default="gemm,accuracy,engine")
+    p.add_argument("--sections", default="accuracy,epilogue,engine")
     p.add_argument("--shapes", default=",".join(SHAPES))
     args = p.parse_args()
     shapes = args.shapes.split(",")
@@ -185,8 +223,8 @@ def main() -> None:
     sections = args.sections.split(",")
     if "accuracy" in sections:
         result["accuracy"] = accuracy_section()
-    if "gemm" in sections:
-        result["gemm"] = gemm_section(shapes)
+    if "epilogue" in sections:
+        result["epilogue"] = epilogue_section(shapes)
     if "engine" in sections:
         result["engine"] = engine_section(shapes)
     Path(args.out).write_text(json.dumps(result, indent=1))

@@ -24,8 +24,6 @@ in shared memory.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -42,8 +40,10 @@ _FORMAT = {torch.bfloat16: (7, 16), torch.float16: (10, 113)}
 def _config() -> triton.Config:
     if triton_interpreting():
         return triton.Config({"BM": 16, "BN": 32, "BK": 16, "GROUP_M": 4, "FLATTEN": False}, num_warps=4, num_stages=1)
-    override = os.environ.get("HF_FLCE_DW_TILE")  # "BM,BN,BK,warps,stages", for scripts/probe_dw_accumulate.py
-    bm, bn, bk, warps, stages = (int(v) for v in override.split(",")) if override else (128, 256, 64, 8, 3)
+    return tile_config(128, 128, 64, 8, 4)
+
+
+def tile_config(bm: int, bn: int, bk: int, warps: int, stages: int) -> triton.Config:
     return triton.Config(
         {"BM": bm, "BN": bn, "BK": bk, "GROUP_M": 8, "FLATTEN": True}, num_warps=warps, num_stages=stages
     )
@@ -88,6 +88,7 @@ def _dw_accumulate_kernel(
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr,
+    TMA_EPILOGUE: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
@@ -95,7 +96,9 @@ def _dw_accumulate_kernel(
     FLATTEN: tl.constexpr,
 ):
     """``(hi, lo) += g^T x`` for ``g`` ``[K, M]`` and ``x`` ``[K, N]``; ``hi``/``lo`` are ``[M, N]``, contiguous.
-    ``FIRST``: ``hi``/``lo`` hold nothing yet. ``LAST``: ``lo`` is folded into ``hi`` and not written."""
+    ``FIRST``: ``hi``/``lo`` hold nothing yet. ``LAST``: ``lo`` is folded into ``hi`` and not written.
+    ``TMA_EPILOGUE``: ``hi``/``lo`` tiles move by TMA (whole tiles through shared memory, the stores asynchronous)
+    instead of per-thread 2- and 4-byte accesses in the tensor cores' register layout."""
     tiles_m = tl.cdiv(M, BM)
     tiles_n = tl.cdiv(N, BN)
     per_group = GROUP_M * tiles_n
@@ -104,6 +107,10 @@ def _dw_accumulate_kernel(
         # out-of-range rows (the K tail) and columns come back as zeros
         g_desc = tl.make_tensor_descriptor(g_ptr, shape=[K, M], strides=[stride_gn, 1], block_shape=[BK, BM])
         x_desc = tl.make_tensor_descriptor(x_ptr, shape=[K, N], strides=[stride_xn, 1], block_shape=[BK, BN])
+    if TMA_EPILOGUE:
+        # out-of-range rows and columns load as zeros, and TMA stores drop them
+        hi_desc = tl.make_tensor_descriptor(hi_ptr, shape=[M, N], strides=[N, 1], block_shape=[BM, BN])
+        lo_desc = tl.make_tensor_descriptor(lo_ptr, shape=[M, N], strides=[N, 1], block_shape=[BM, BN])
     for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, tl.num_programs(0), flatten=FLATTEN):
         pid_m, pid_n, rows, cols, row_ok, col_ok = grouped_tile(tile, tiles_m, per_group, M, N, BM, BN, GROUP_M)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
@@ -131,21 +138,32 @@ def _dw_accumulate_kernel(
         mask = row_ok[:, None] & col_ok[None, :]
         total = acc
         if not FIRST:
-            hi = tl.load(hi_ptr + offs, mask=mask, other=0.0)
+            if TMA_EPILOGUE:
+                hi = hi_desc.load([pid_m * BM, pid_n * BN])
+                lo = lo_desc.load([pid_m * BM, pid_n * BN])
+            else:
+                hi = tl.load(hi_ptr + offs, mask=mask, other=0.0)
+                lo = tl.load(lo_ptr + offs, mask=mask, other=0)
             unit, _ = _residual_unit(hi, MANT, MIN_EXP)
-            lo = tl.load(lo_ptr + offs, mask=mask, other=0)
             # float32 is exact enough here: hi + lo * unit has ~16 significant bits, the sum keeps 24
             total += hi.to(tl.float32) + lo.to(tl.float32) * unit
         if MANT == 7:
             new_hi = _round_to_bf16(total).to(hi_ptr.dtype.element_ty)
         else:
             new_hi = total.to(hi_ptr.dtype.element_ty)
-        tl.store(hi_ptr + offs, new_hi, mask=mask)
+        if TMA_EPILOGUE:
+            hi_desc.store([pid_m * BM, pid_n * BN], new_hi)
+        else:
+            tl.store(hi_ptr + offs, new_hi, mask=mask)
         if not LAST:
             _, inv_unit = _residual_unit(new_hi, MANT, MIN_EXP)
             # (total - new_hi) * inv_unit is exact (a power-of-two scale of a float32 difference)
             q = tl.floor((total - new_hi.to(tl.float32)) * inv_unit + 0.5)
-            tl.store(lo_ptr + offs, tl.minimum(tl.maximum(q, -127.0), 127.0).to(tl.int8), mask=mask)
+            new_lo = tl.minimum(tl.maximum(q, -127.0), 127.0).to(tl.int8)
+            if TMA_EPILOGUE:
+                lo_desc.store([pid_m * BM, pid_n * BN], new_lo)
+            else:
+                tl.store(lo_ptr + offs, new_lo, mask=mask)
 
 
 def supports(grad_dtype: torch.dtype, weight_dtype: torch.dtype, device: torch.device) -> bool:
@@ -169,6 +187,9 @@ class ResidualDW:
         dw = acc.result()  # [64, 32] bf16
     """
 
+    tma_epilogue = True
+    config: triton.Config | None = None  # scripts/probe_dw_accumulate.py tries others
+
     def __init__(self, shape: tuple[int, int], dtype: torch.dtype, device: torch.device, n_chunks: int):
         self.hi = torch.empty(shape, dtype=dtype, device=device)
         self.lo = torch.empty(shape, dtype=torch.int8, device=device) if n_chunks > 1 else None
@@ -176,6 +197,7 @@ class ResidualDW:
         self.added = 0
 
     def add(self, grad_logits: torch.Tensor, x_chunk: torch.Tensor) -> None:
+        """Adds ``grad_logits^T x_chunk`` (``[rows, M]`` and ``[rows, N]``)."""
         if self.added == self.n_chunks:
             raise RuntimeError(f"ResidualDW: a chunk beyond the {self.n_chunks} announced")
         first, last = self.added == 0, self.added == self.n_chunks - 1
@@ -191,9 +213,16 @@ class ResidualDW:
             and grad_logits.stride(0) % 16 == 0
             and x_chunk.stride(0) % 16 == 0
         )
-        if use_tma:
+        config = self.config or _config()
+        # hi/lo by TMA: their rows (N elements) 16-byte aligned for both, and the base addresses
+        tma_epilogue = (
+            self.tma_epilogue
+            and _tma_usable(self.hi, self.hi)
+            and n % 16 == 0
+            and (self.lo is None or self.lo.data_ptr() % 16 == 0)
+        )
+        if use_tma or tma_epilogue:
             triton.set_allocator(_tma_scratch)
-        config = _config()
         bm, bn = config.kwargs["BM"], config.kwargs["BN"]
         programs = _program_limit(self.hi.device)
         mant, min_exp = _FORMAT[self.hi.dtype]
@@ -216,6 +245,7 @@ class ResidualDW:
                 UPCAST=x_chunk.device.type == "cpu",
                 DOT_PRECISION="tf32",
                 USE_TMA=use_tma,
+                TMA_EPILOGUE=tma_epilogue,
                 num_warps=config.num_warps,
                 num_stages=config.num_stages,
                 **config.kwargs,
