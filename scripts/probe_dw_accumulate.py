@@ -67,13 +67,7 @@ def try_time(fn):
         return f"{type(exc).__name__}: {str(exc)[:200]}"
 
 
-EPILOGUE_TILES = (
-    (128, 128, 64, 8, 4),
-    (128, 128, 64, 8, 3),
-    (128, 128, 64, 4, 4),
-    (128, 256, 32, 8, 3),
-    (256, 128, 32, 8, 3),
-)
+EPILOGUE_TILES = ((128, 128, 64, 8, 4), (128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (128, 256, 32, 8, 3))
 
 
 def epilogue_section(shapes) -> list[dict]:
@@ -99,14 +93,17 @@ def epilogue_record(name: str, rows: int) -> dict:
     rec["cublas_fp32_acc_ms"] = time_ms(lambda: torch.addmm(f32, g.t(), x, out_dtype=torch.float32, out=f32))
     f32 = None
     acc = ResidualDW((v, h), torch.bfloat16, torch.device(DEVICE), n_chunks=3)
+    single = ResidualDW((v, h), torch.bfloat16, torch.device(DEVICE), n_chunks=1)
     for tile in EPILOGUE_TILES:
-        acc.config = tile_config(*tile)
+        acc.config = single.config = tile_config(*tile)
+        # one chunk: the mainloop and a bf16 store only (nothing summed)
+        rec[f"only_{tile_name(tile)}_ms"] = try_time(lambda: residual_call(single, g, x, "first"))
         for tma in (True, False):
             acc.tma_epilogue = tma
             for pos in ("first", "middle", "last"):
                 key = f"{pos}_{'tma' if tma else 'plain'}_{tile_name(tile)}_ms"
                 rec[key] = try_time(lambda p=pos: residual_call(acc, g, x, p))
-    for pos in ("first", "middle", "last"):
+    for pos in ("only", "first", "middle", "last"):
         times = {k: t for k, t in rec.items() if k.startswith(pos + "_") and isinstance(t, float)}
         if times:
             best = min(times, key=times.get)
@@ -119,7 +116,7 @@ def epilogue_record(name: str, rows: int) -> dict:
 def residual_call(acc: ResidualDW, g, x, position: str):
     """One chunk's add as the ``position`` chunk of three (the probe re-runs it, so the count is reset each time)."""
     acc.added = {"first": 0, "middle": 1, "last": 2}[position]
-    if acc.lo is None:
+    if acc.lo is None and acc.n_chunks > 1:
         acc.lo = torch.zeros(acc.hi.shape, dtype=torch.int8, device=acc.hi.device)
     acc.add(g, x)
 

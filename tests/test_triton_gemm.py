@@ -1,8 +1,9 @@
 """The GEMM-epilogue path (``hf_flce/backends/triton_gemm.py``) against the float64 reference.
 
-It serves 16-bit calls without softcap or class weights. Through the public API, every strategy of the engine that
-uses it is covered: the scalar loss (gradient from the stored ``e`` during forward), the per-token loss with ``e``
-kept for backward, and the per-token loss whose backward recomputes the GEMM with the gradient in its epilogue.
+It serves 16-bit calls without class weights, nor softcap with label smoothing. Through the public API, every strategy
+of the engine that uses it is covered: the scalar loss (gradient from the stored ``e`` during forward), the per-token
+loss with ``e`` kept for backward, and the per-token loss whose backward recomputes the GEMM with the gradient in its
+epilogue.
 Without a GPU the kernels run in the Triton interpreter (conftest sets it), with fp32 tile products.
 """
 
@@ -19,7 +20,16 @@ from hf_flce.backends.base import TileParams
 from hf_flce.backends.torch_tiles import TorchTileOps
 from hf_flce.backends.triton_tiles import TritonTileOps
 
-FUSABLE = [(), ("smoothing",), ("z_loss",), ("temperature",), ("bias",), ("smoothing", "z_loss", "temperature", "bias")]
+FUSABLE = [
+    (),
+    ("smoothing",),
+    ("z_loss",),
+    ("temperature",),
+    ("bias",),
+    ("softcap",),
+    ("smoothing", "z_loss", "temperature", "bias"),
+    ("softcap", "z_loss", "temperature", "bias"),
+]
 # fp16 gradients: the stored e carries 11 bits, the gradient itself 11, and CPU fp16 GEMMs round their products
 TOL, GRAD_TOL = 2e-3, 1e-2
 
@@ -143,12 +153,40 @@ def test_prob_weighted_and_second_backward(fused_calls):
     assert_close(w.grad, ref_w.grad, GRAD_TOL, "dW (second backward)")
 
 
-@pytest.mark.parametrize("names", [("softcap",), ("class_weight",)])
+@pytest.mark.parametrize(
+    "names", [("class_weight",), ("softcap", "smoothing")], ids=["class_weight", "softcap+smoothing"]
+)
 def test_unsupported_options_take_the_tile_path(names, fused_calls):
     hidden, weight, target, bias, opts = build(names, n=10)
     h, w, b = half(hidden, weight, bias)
     check(h, w, target, b, tol=TOL, grad_tol=GRAD_TOL, stat_grads=True, **opts)
     assert fused_calls["forward"] == 0
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_saturated_softcap_matches_the_tile_path(reduction, fused_calls):
+    # Hidden states scaled by 100: most logits sit where tanh saturates (dt ~ 0), many tied at +-softcap in float32.
+    hidden, weight, target, _ = make_inputs(40, 32, 300, ignore_every=7)
+    h, w = half(hidden * 100.0, weight, None)[:2]
+    tiles = resolve_backend("triton", DEVICE)
+    results = []
+    for head in (triton_gemm, None):
+        leaves = [t.detach().clone().requires_grad_() for t in (h, w)]
+        with mock.patch.object(tiles, "fused_head", head):
+            loss, stats = hf_flce.fused_linear_cross_entropy(
+                *leaves, target, backend="triton", softcap=30.0, reduction=reduction, return_stats=True
+            )
+            gen = torch.Generator().manual_seed(0)
+            upstream = [torch.randn(t.shape, generator=gen).to(DEVICE) for t in (loss, target, target)]
+            terms = (loss * upstream[0]).sum()
+            if reduction == "none":
+                terms = terms + (stats.logprobs * upstream[1]).sum() + (stats.entropy * upstream[2]).sum()
+            terms.backward()
+        results.append((loss, stats.lse, stats.logprobs, stats.entropy, leaves[0].grad, leaves[1].grad))
+    assert fused_calls["forward"] == 1
+    for name, ours, tiled in zip(("loss", "lse", "logprobs", "entropy", "dX", "dW"), *results):
+        assert torch.isfinite(ours).all(), name
+        assert_close(ours, tiled, GRAD_TOL if name.startswith("d") else TOL, name)
 
 
 def test_switch():
@@ -177,12 +215,16 @@ def test_default_skips_devices_it_was_not_measured_on(fused_calls):
 # --- the kernels directly, float32 operands (float64 reference) ---------------------------------------------------
 
 
-def params_for(v, smoothing=0.0, z_loss=0.0, temperature=1.0):
-    return TileParams(v, -100, smoothing, z_loss, None, 1.0 / temperature, None, None)
+def params_for(v, smoothing=0.0, z_loss=0.0, temperature=1.0, softcap=None):
+    return TileParams(v, -100, smoothing, z_loss, softcap, 1.0 / temperature, None, None)
 
 
 @pytest.mark.parametrize("v", [1, 31, 32, 100])
-@pytest.mark.parametrize("opts", [{}, dict(smoothing=0.1, z_loss=1e-3, temperature=0.6)], ids=["plain", "options"])
+@pytest.mark.parametrize(
+    "opts",
+    [{}, dict(smoothing=0.1, z_loss=1e-3, temperature=0.6), dict(softcap=3.0, z_loss=1e-3, temperature=0.6)],
+    ids=["plain", "options", "softcap"],
+)
 def test_kernel_stats_and_gradients(v, opts):
     hidden, weight, target, bias = make_inputs(13, 24, v, bias=True, ignore_every=4, seed=v)
     params = params_for(v, **opts)
@@ -205,6 +247,36 @@ def test_kernel_stats_and_gradients(v, opts):
     from_kept = triton_gemm.gradient(kept, target, stats.lse, stats.entropy, params, torch.float32, *upstream)
     assert_close(from_kept, expected, 2e-3, "gradient from the kept e")
     assert kept.e is None
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_kernel_softcap_far_and_peaked_targets(temperature):
+    # Softcap 30. Rows 0-2 put the target logit at -60, ~30 below their tile's max: e_y underflows fp16, and the
+    # gradient's target column needs dt at t_y all the same. Rows 3-5 put it at +60: p_y ~ 1 with tanh saturating.
+    hidden, weight, target, _ = make_inputs(6, 16, 90, ignore_every=0)
+    target = torch.tensor([3, 17, 40, 41, 70, 89], device=DEVICE)
+    sign = torch.tensor([-1.0, -1.0, -1.0, 1.0, 1.0, 1.0], device=DEVICE)[:, None]
+    weight[target] = sign * hidden * (60.0 / hidden.pow(2).sum(1, keepdim=True))
+    params = params_for(90, z_loss=1e-3, temperature=temperature, softcap=30.0)
+    logits = (hidden.double() @ weight.double().T).float()
+    assert torch.allclose(logits.gather(1, target[:, None]), 60.0 * sign, atol=1e-3)
+    ref = TorchTileOps().forward(logits, target, params)
+    stats, kept = triton_gemm.forward(hidden, weight, None, target, params, keep=True)
+    for name in ("loss", "lse", "logprob", "entropy", "mean_logit", "log_sum_sq_probs"):
+        assert_close(getattr(stats, name), getattr(ref, name), 1e-5, name)
+    assert torch.equal(stats.is_top1, ref.is_top1) and stats.is_top1[3:].all()
+    assert not kept.e[torch.arange(3), target[:3]].any()
+
+    gen = torch.Generator().manual_seed(3)
+    upstream = [torch.randn(6, generator=gen).to(DEVICE) for _ in range(3)]
+    expected = torch.empty_like(logits)
+    TorchTileOps().backward(logits, target, ref.lse, ref.entropy, params, *upstream, expected)
+    recomputed = triton_gemm.recompute_gradient(
+        hidden, weight, None, target, stats.lse, stats.entropy, params, *upstream
+    )
+    assert_close(recomputed, expected, 1e-5, "gradient from the epilogue")
+    from_kept = triton_gemm.gradient(kept, target, stats.lse, stats.entropy, params, torch.float32, *upstream)
+    assert_close(from_kept, expected, 2e-3, "gradient from the kept e")
 
 
 def test_kernel_first_argmax_across_tiles():

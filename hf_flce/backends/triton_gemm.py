@@ -7,22 +7,28 @@ engine's fwd+bwd at 1.01x (llama3-8b) and 1.09x (qwen2.5-7b) the 3-GEMM floor; w
 way (mistral-7b) it is slower than the tile path (docs/PERF_NOTES.md, v6).
 
 The tile path (``triton_tiles``) has cuBLAS write float32 logits and reads them back twice: 12 bytes per logit more
-than the floor's bf16 GEMM. Here each ``[BM, BN]`` tile of ``t = (x W^T + b) / temperature`` stays in registers in
-float32, and the epilogue reduces it to per-row partial statistics of its BN columns: the max ``m``, and with
-``e = exp(t - m)``, ``sum e``, ``sum e (t - m)``, ``sum e**2``, ``sum t`` and the first argmax. A merge kernel combines
-the partials of a row as online softmax does (a partial's sums are rescaled by ``exp(m - max of all m)``). Only the
-statistics the caller asked for (``TileParams.optional_stats``) are computed; the others come back as 0.
+than the floor's bf16 GEMM. Here each ``[BM, BN]`` tile of ``t``, the logits ``z = x W^T + b`` after softcap and
+temperature (``base.py``), stays in registers in float32, and the epilogue reduces it to per-row partial statistics of
+its BN columns: the max ``m``, and with ``e = exp(t - m)``, ``sum e``, ``sum e (t - m)``, ``sum e**2``, ``sum t`` and
+the first argmax. A merge kernel combines the partials of a row as online softmax does (a partial's sums are rescaled
+by ``exp(m - max of all m)``). Only the statistics the caller asked for (``TileParams.optional_stats``) are computed;
+the others come back as 0.
 
 For gradients the epilogue also stores ``e`` in fp16: ``e`` lies in (0, 1], where fp16 keeps 11 significant bits
 (bf16 keeps 8), and it comes from the float32 tile, so the logits are never rounded before the softmax. Once the
 row's lse is known, the gradient pass turns ``e`` into the logits gradient in place (2 bytes read and 2 written per
 logit), with ``p_j = e_j exp(m_tile - lse)``:
 
-    g_j = (p_j * (p_coef - g_entropy * t_j) + [j == y] * onehot_coef - smooth_coef) / temperature
+    g_j = (p_j * (p_coef - g_entropy * t_j) + [j == y] * onehot_coef - smooth_coef) * dt_j/dz_j
 
-(``base.py`` derives the coefficients.) When the lse is already known (a per-token backward that recomputes the
-logits), the epilogue writes ``g`` itself. Softcap and class weights are not handled here: the engine keeps the tile
-path for them.
+(``base.py`` derives the coefficients.) With a softcap, ``dt_j/dz_j = (1 - (t_j temperature / softcap)**2) /
+temperature`` needs ``t_j``: the pass takes it as ``m_tile + log e_j`` (off by e's fp16 rounding, about 2**-11, which
+matters only where tanh saturates and ``dt`` is tiny), except at the target column, whose ``e_y`` may have underflowed:
+there it uses ``t_y``, kept from the forward tile. Where ``e_j`` underflowed to 0, ``t_j`` is lost, but every term
+left there carries ``p_j < 2**-24`` and vanishes, except label smoothing's ``-smooth_coef * dt_j``: softcap with label
+smoothing keeps the tile path. When the lse is already known (a per-token backward that recomputes the logits), the
+epilogue writes ``g`` itself, with the exact ``dt``. Class weights are not handled here: the engine keeps the tile path
+for them.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ import triton.language as tl
 
 from . import triton_interpreting
 from .base import TileParams, TileStats
-from .triton_tiles import TritonTileOps, logit_grad, row_grad_coefs, sm_count
+from .triton_tiles import TritonTileOps, _transform, logit_grad, row_grad_coefs, sm_count
 
 MODE_STATS = 0  # partial statistics only (no gradient wanted: eval, reference models)
 MODE_KEEP = 1  # partial statistics and e = exp(t - m_tile) in fp16, for the gradient pass
@@ -201,12 +207,15 @@ def _head_gemm_kernel(
     V,
     K,
     ignore_index,
+    inv_softcap,
+    t_scale,
     inv_temperature,
     smoothing,
     smooth_over_v,
     z_loss,
     MODE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     HAS_TEMPERATURE: tl.constexpr,
     HAS_GL: tl.constexpr,
     HAS_GLP: tl.constexpr,
@@ -227,7 +236,7 @@ def _head_gemm_kernel(
     USE_TMA: tl.constexpr,
     FLATTEN: tl.constexpr,
 ):
-    """[BM, BN] tiles of t = (x W^T + b) / temperature, each reduced in the epilogue (see the module docstring).
+    """[BM, BN] tiles of the transformed logits t of x W^T + b, each reduced in the epilogue (see the module docstring).
     Persistent: each program takes every ``num_programs``-th tile."""
     tiles_m = tl.cdiv(N, BM)
     tiles_n = tl.cdiv(V, BN)
@@ -267,9 +276,7 @@ def _head_gemm_kernel(
 
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        t = acc
-        if HAS_TEMPERATURE:
-            t = t * inv_temperature
+        t, dt = _transform(acc, inv_softcap, t_scale, inv_temperature, HAS_SOFTCAP, HAS_TEMPERATURE)
         y = tl.load(y_ptr + rows, mask=row_ok, other=ignore_index)
         valid = row_ok & (y != ignore_index)
         out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_on + cols[None, :]
@@ -300,8 +307,8 @@ def _head_gemm_kernel(
             # ignored rows: exp(-inf) = 0, so nothing overflows against their placeholder lse
             p = tl.exp(tl.where(valid[:, None], t - lse[:, None], float("-inf")))
             g = logit_grad(p, t, is_y, p_coef, onehot_coef, g_entropy, HAS_GE) - smooth_coef
-            if HAS_TEMPERATURE:
-                g *= inv_temperature
+            if HAS_SOFTCAP or HAS_TEMPERATURE:
+                g *= dt
             if TMA_OUT:
                 out_desc.store([pid_m * BM, pid_n * BN], g.to(out_ptr.dtype.element_ty))
             else:
@@ -441,6 +448,7 @@ def _grad_from_e_kernel(
     stride_gn,
     part_ptr,
     y_ptr,
+    ty_ptr,
     lse_ptr,
     entropy_ptr,
     gl_ptr,
@@ -452,6 +460,7 @@ def _grad_from_e_kernel(
     N,
     V,
     ignore_index,
+    t_scale,
     inv_temperature,
     smoothing,
     smooth_over_v,
@@ -461,6 +470,7 @@ def _grad_from_e_kernel(
     HAS_GE: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
     HAS_ZLOSS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     HAS_TEMPERATURE: tl.constexpr,
     BR: tl.constexpr,
     BN: tl.constexpr,
@@ -498,13 +508,21 @@ def _grad_from_e_kernel(
     e = tl.load(e_ptr + rows.to(tl.int64)[:, None] * stride_en + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     # p = e exp(m - lse); m <= lse, so the factor is at most 1
     p = e * tl.where(valid, tl.exp(m - lse), 0.0)[:, None]
-    if HAS_GE:
+    is_y = cols[None, :] == y[:, None]
+    if HAS_GE or HAS_SOFTCAP:
         # t_j = m + log e_j; where e_j underflowed to 0, p_j t_j -> 0
         t = tl.where(e > 0.0, m[:, None] + tl.log(tl.maximum(e, 1e-30)), 0.0)
     else:
-        t = e  # not read without entropy gradients
-    g = logit_grad(p, t, cols[None, :] == y[:, None], p_coef, onehot_coef, g_entropy, HAS_GE) - smooth_coef
-    if HAS_TEMPERATURE:
+        t = e  # not read without entropy gradients or softcap
+    if HAS_SOFTCAP:
+        # the [j == y] term needs dt at t_y even where p_y underflowed: t_y comes from the forward tile
+        t = tl.where(is_y, tl.load(ty_ptr + rows, mask=valid, other=0.0)[:, None], t)
+    g = logit_grad(p, t, is_y, p_coef, onehot_coef, g_entropy, HAS_GE) - smooth_coef
+    if HAS_SOFTCAP:
+        # dt/dz = (1 - tanh(z / softcap)**2) / temperature, tanh(z / softcap) = t / t_scale (|t| can round past t_scale)
+        th = t * (1.0 / t_scale)
+        g *= tl.maximum(1.0 - th * th, 0.0) * inv_temperature
+    elif HAS_TEMPERATURE:
         g *= inv_temperature
     tl.store(g_ptr + rows.to(tl.int64)[:, None] * stride_gn + cols[None, :], g.to(g_ptr.dtype.element_ty), mask=mask)
 
@@ -512,11 +530,13 @@ def _grad_from_e_kernel(
 @dataclass
 class KeptSoftmax:
     """What the gradient pass needs of a chunk: e = exp(t - m_tile) in fp16 ``[rows, V]``, the per-tile maxima
-    ``[n_tiles, rows]`` (first plane of ``partials``) and the tile width."""
+    ``[n_tiles, rows]`` (first plane of ``partials``), the tile width and the target logits ``t_y`` (float32
+    ``[rows]``, unset at ignored rows; read with a softcap)."""
 
     e: torch.Tensor
     partials: torch.Tensor
     tile_n: int
+    t_y: torch.Tensor
 
 
 def partial_bytes_per_row(vocab: int) -> int:
@@ -527,13 +547,14 @@ def partial_bytes_per_row(vocab: int) -> int:
 
 def supports(dtype: torch.dtype, weight: torch.Tensor, bias: torch.Tensor | None, params: TileParams) -> bool:
     """Whether this path applies to a call whose GEMM operands are ``dtype`` and ``weight``: 16-bit operands of one
-    dtype, a contiguous hidden dimension, no softcap and no class weights."""
+    dtype, a contiguous hidden dimension, no class weights, and no softcap together with label smoothing (whose
+    gradient needs every ``t_j``, lost where the stored ``e_j`` underflowed)."""
     return (
         dtype in (torch.bfloat16, torch.float16)
         and weight.dtype == dtype
         and (weight.device.type == "cuda" or (weight.device.type == "cpu" and triton_interpreting()))
         and weight.stride(-1) == 1
-        and params.softcap is None
+        and (params.softcap is None or params.label_smoothing == 0.0)
         and params.class_weight is None
         and (bias is None or bias.is_contiguous())
     )
@@ -570,7 +591,14 @@ def _option_flags(params: TileParams, upstream) -> dict:
         HAS_GE=upstream[2] is not None,
         HAS_SMOOTHING=params.label_smoothing != 0.0,
         HAS_ZLOSS=params.z_loss != 0.0,
+        HAS_SOFTCAP=params.softcap is not None,
+        HAS_TEMPERATURE=params.inv_temperature != 1.0,
     )
+
+
+def _t_scale(params: TileParams) -> float:
+    """softcap / temperature, the bound of |t| (0 without a softcap)."""
+    return 0.0 if params.softcap is None else params.softcap * params.inv_temperature
 
 
 def _gemm(x, weight, bias, target, params, mode, out, partials, best, t_y, lse, entropy, upstream):
@@ -604,13 +632,14 @@ def _gemm(x, weight, bias, target, params, mode, out, partials, best, t_y, lse, 
         params.vocab,
         k,
         params.ignore_index,
+        0.0 if params.softcap is None else 1.0 / params.softcap,
+        _t_scale(params),
         params.inv_temperature,
         params.label_smoothing,
         params.label_smoothing / params.vocab,
         params.z_loss,
         MODE=mode,
         HAS_BIAS=bias is not None,
-        HAS_TEMPERATURE=params.inv_temperature != 1.0,
         UPCAST=x.device.type == "cpu",
         # float32 operands (tests) get exact products, not TF32; 16-bit ones use the tensor cores either way
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
@@ -638,7 +667,8 @@ def forward(
     is_top1 = torch.empty(n, dtype=torch.bool, device=dev)
     stats = TileStats(loss, lse, logprob, entropy, is_top1, mean_logit, lssp)
     if n == 0:
-        return stats, (KeptSoftmax(torch.empty(0, vocab, dtype=torch.float16, device=dev), loss, 1) if keep else None)
+        empty = torch.empty(0, vocab, dtype=torch.float16, device=dev)
+        return stats, (KeptSoftmax(empty, loss, 1, loss) if keep else None)
     mode = MODE_KEEP if keep else MODE_STATS
     # Sized for the narrowest tile; the kernel indexes them by the tile width the autotuner picked.
     max_tiles = partial_bytes_per_row(vocab) // (4 * (_N_STATS + 1))
@@ -678,7 +708,7 @@ def forward(
             BT=32,
             num_warps=4,
         )
-    kept = KeptSoftmax(e, partials[: n_tiles * n].view(n_tiles, n), tile_n) if keep else None
+    kept = KeptSoftmax(e, partials[: n_tiles * n].view(n_tiles, n), tile_n, t_y) if keep else None
     return stats, kept
 
 
@@ -709,17 +739,18 @@ def gradient(
             out.stride(0),
             kept.partials,
             target,
+            kept.t_y,
             lse,
             entropy,
             *_vectors(upstream, lse),
             n,
             vocab,
             params.ignore_index,
+            _t_scale(params),
             params.inv_temperature,
             params.label_smoothing,
             params.label_smoothing / vocab,
             params.z_loss,
-            HAS_TEMPERATURE=params.inv_temperature != 1.0,
             BR=br,
             BN=kept.tile_n,
             num_warps=4,

@@ -389,10 +389,10 @@ class TritonTileOps:
     ):
         self.block = block
         self.num_warps = num_warps
-        # The logits GEMM with the softmax in its epilogue (``triton_gemm``), for 16-bit calls without softcap or class
-        # weights. By default on Hopper and newer GPUs, where it was measured faster than cuBLAS plus the tile passes
-        # (docs/PERF_NOTES.md, v6); ``HF_FLCE_GEMM_EPILOGUE=1`` (or ``gemm_epilogue=True``) uses it on every GPU,
-        # ``=0`` (``False``) never.
+        # The logits GEMM with the softmax in its epilogue (``triton_gemm``), for 16-bit calls without class weights
+        # (nor softcap with label smoothing). By default on Hopper and newer GPUs, where it was measured faster than
+        # cuBLAS plus the tile passes (docs/PERF_NOTES.md, v6); ``HF_FLCE_GEMM_EPILOGUE=1`` (or ``gemm_epilogue=True``)
+        # uses it on every GPU, ``=0`` (``False``) never.
         if gemm_epilogue is None:
             gemm_epilogue = {"1": True, "0": False}.get(os.environ.get("HF_FLCE_GEMM_EPILOGUE", "auto"))
         # dW summed across chunks into the 16-bit gradient plus an int8 residual (``triton_dw``): V H bytes instead
