@@ -219,24 +219,22 @@ def params_for(v, smoothing=0.0, z_loss=0.0, temperature=1.0, softcap=None):
     return TileParams(v, -100, smoothing, z_loss, softcap, 1.0 / temperature, None, None)
 
 
-@pytest.mark.parametrize("v", [1, 31, 32, 100])
-@pytest.mark.parametrize(
-    "opts",
-    [{}, dict(smoothing=0.1, z_loss=1e-3, temperature=0.6), dict(softcap=3.0, z_loss=1e-3, temperature=0.6)],
-    ids=["plain", "options", "softcap"],
-)
-def test_kernel_stats_and_gradients(v, opts):
-    hidden, weight, target, bias = make_inputs(13, 24, v, bias=True, ignore_every=4, seed=v)
-    params = params_for(v, **opts)
-    logits = (hidden.double() @ weight.double().T + bias.double()).float()
+def kernel_stats_match(hidden, weight, bias, target, params):
+    """The forward kernels' statistics against the float64 reference; returns what the gradient check needs."""
+    logits = (hidden.double() @ weight.double().T + (0.0 if bias is None else bias.double())).float()
     ref = TorchTileOps().forward(logits, target, params)
     stats, kept = triton_gemm.forward(hidden, weight, bias, target, params, keep=True)
     for name in ("loss", "lse", "logprob", "entropy", "mean_logit", "log_sum_sq_probs"):
         assert_close(getattr(stats, name), getattr(ref, name), 1e-5, name)
     assert torch.equal(stats.is_top1, ref.is_top1)
+    return logits, ref, stats, kept
 
-    gen = torch.Generator().manual_seed(v)
-    upstream = [torch.randn(13, generator=gen).to(DEVICE) for _ in range(3)]
+
+def kernel_grads_match(hidden, weight, bias, target, params, logits, ref, stats, kept, seed):
+    """Both gradient kernels (the recomputing epilogue, the pass over the kept e) against the reference, with random
+    upstream gradients of the loss, logprob and entropy."""
+    gen = torch.Generator().manual_seed(seed)
+    upstream = [torch.randn(target.shape[0], generator=gen).to(DEVICE) for _ in range(3)]
     expected = torch.empty_like(logits)
     TorchTileOps().backward(logits, target, ref.lse, ref.entropy, params, *upstream, expected)
     recomputed = triton_gemm.recompute_gradient(
@@ -249,6 +247,19 @@ def test_kernel_stats_and_gradients(v, opts):
     assert kept.e is None
 
 
+@pytest.mark.parametrize("v", [1, 31, 32, 100])
+@pytest.mark.parametrize(
+    "opts",
+    [{}, dict(smoothing=0.1, z_loss=1e-3, temperature=0.6), dict(softcap=3.0, z_loss=1e-3, temperature=0.6)],
+    ids=["plain", "options", "softcap"],
+)
+def test_kernel_stats_and_gradients(v, opts):
+    hidden, weight, target, bias = make_inputs(13, 24, v, bias=True, ignore_every=4, seed=v)
+    params = params_for(v, **opts)
+    checked = kernel_stats_match(hidden, weight, bias, target, params)
+    kernel_grads_match(hidden, weight, bias, target, params, *checked, seed=v)
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_kernel_softcap_far_and_peaked_targets(temperature):
     # Softcap 30. Rows 0-2 put the target logit at -60, ~30 below their tile's max: e_y underflows fp16, and the
@@ -258,25 +269,11 @@ def test_kernel_softcap_far_and_peaked_targets(temperature):
     sign = torch.tensor([-1.0, -1.0, -1.0, 1.0, 1.0, 1.0], device=DEVICE)[:, None]
     weight[target] = sign * hidden * (60.0 / hidden.pow(2).sum(1, keepdim=True))
     params = params_for(90, z_loss=1e-3, temperature=temperature, softcap=30.0)
-    logits = (hidden.double() @ weight.double().T).float()
+    logits, ref, stats, kept = kernel_stats_match(hidden, weight, None, target, params)
     assert torch.allclose(logits.gather(1, target[:, None]), 60.0 * sign, atol=1e-3)
-    ref = TorchTileOps().forward(logits, target, params)
-    stats, kept = triton_gemm.forward(hidden, weight, None, target, params, keep=True)
-    for name in ("loss", "lse", "logprob", "entropy", "mean_logit", "log_sum_sq_probs"):
-        assert_close(getattr(stats, name), getattr(ref, name), 1e-5, name)
-    assert torch.equal(stats.is_top1, ref.is_top1) and stats.is_top1[3:].all()
+    assert stats.is_top1[3:].all()
     assert not kept.e[torch.arange(3), target[:3]].any()
-
-    gen = torch.Generator().manual_seed(3)
-    upstream = [torch.randn(6, generator=gen).to(DEVICE) for _ in range(3)]
-    expected = torch.empty_like(logits)
-    TorchTileOps().backward(logits, target, ref.lse, ref.entropy, params, *upstream, expected)
-    recomputed = triton_gemm.recompute_gradient(
-        hidden, weight, None, target, stats.lse, stats.entropy, params, *upstream
-    )
-    assert_close(recomputed, expected, 1e-5, "gradient from the epilogue")
-    from_kept = triton_gemm.gradient(kept, target, stats.lse, stats.entropy, params, torch.float32, *upstream)
-    assert_close(from_kept, expected, 2e-3, "gradient from the kept e")
+    kernel_grads_match(hidden, weight, None, target, params, logits, ref, stats, kept, seed=3)
 
 
 def test_kernel_first_argmax_across_tiles():
