@@ -514,7 +514,7 @@ def _recompute_grads(
         else:
             logits = kept
             if logits is None:
-                logits = compute_logits(x_chunk, w_c, bias, _logits_16bit(plan, x_chunk, bias))
+                logits = compute_logits(x_chunk, w_c, bias, logits_16bit)
             grad_out = _grad_buffer(logits, x_chunk.dtype, plan.tiles)
             plan.tiles.backward(logits, ys[sl], lse_v[sl], ent_v[sl], plan.params, *upstream, grad_out)
             del logits

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 from unittest import mock
@@ -25,11 +24,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_common import Device, median  # noqa: E402
+
 import hf_flce  # noqa: E402
-from hf_flce.backends import (  # noqa: E402
-    resolve_backend,  # noqa: E402
-    triton_dw,
-)
+from hf_flce.backends import resolve_backend, triton_dw  # noqa: E402
 from hf_flce.backends.triton_dw import ResidualDW, tile_config  # noqa: E402
 
 DEVICE = "cuda"  # a dry run of the script's logic may set "cpu" (with TRITON_INTERPRET=1 and small SHAPES)
@@ -42,18 +40,8 @@ SHAPES = {
 
 
 def time_ms(fn, warmup=3, reps=10) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    """Median milliseconds of ``reps`` calls, each timed with device events."""
+    return median(Device(DEVICE).time_ms(fn, warmup, reps))
 
 
 def tile_name(tile) -> str:

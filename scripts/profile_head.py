@@ -26,6 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_common import Device, median  # noqa: E402
+
 import hf_flce  # noqa: E402
 from hf_flce.backends import resolve_backend, triton_gemm  # noqa: E402
 from hf_flce.backends.base import TileParams  # noqa: E402
@@ -44,18 +46,8 @@ GiB = 1 << 30
 
 
 def timed(fn, reps: int = 5, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    """Median milliseconds of ``reps`` calls, each timed with CUDA events."""
+    return median(Device("cuda").time_ms(fn, warmup, reps))
 
 
 def inputs(n: int, h: int, v: int):
