@@ -98,6 +98,24 @@ class Device:
         return out, self.peak() - base
 
 
+def with_residual_dw(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` with every hf_flce call inside it on a Triton backend that sums dW in the bf16 gradient plus an int8
+    residual (what ``HF_FLCE_DW_RESIDUAL=1`` does for a whole process): the "ours_lean" provider of the benchmarks.
+    The call's plan keeps that backend, so the backward that follows uses it too."""
+    from unittest import mock
+
+    import hf_flce.api
+    from hf_flce.backends.triton_tiles import TritonTileOps
+
+    lean = TritonTileOps(dw_residual=True)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with mock.patch.object(hf_flce.api, "resolve_backend", lambda backend, device: lean):
+            return fn(*args, **kwargs)
+
+    return call
+
+
 def pick_device(requested: str | None) -> str:
     if requested:
         return requested

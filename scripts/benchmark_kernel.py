@@ -11,6 +11,7 @@ Providers (each missing one is reported as ``n/a`` with its import error; a fail
                calls it (ignored rows compacted first); loss ``-logp.sum() / count``
   torch_lce    ``torch.nn.functional.linear_cross_entropy`` with ``LinearCrossEntropyOptions()`` (chunked), if present
   ours         ``hf_flce.fused_linear_cross_entropy`` (backend ``triton`` on CUDA, ``torch`` on CPU, ``ascend`` on NPU)
+  ours_lean    the same with dW summed in the bf16 gradient plus an int8 residual (``HF_FLCE_DW_RESIDUAL=1``; CUDA)
 
 Inputs: ``X ~ N(0, 1)``, ``W ~ N(0, 0.02)``, every 17th target ignored, all bf16. ``peaked`` adds
 ``14 / |W[y]|^2 * W[y]`` to each non-ignored row of X (in fp32, with the bf16-rounded W), which raises its target
@@ -70,6 +71,7 @@ from bench_common import (  # noqa: E402
     run_worker,
     save_figure,
     setup_run,
+    with_residual_dw,
     write_json,
 )
 
@@ -120,7 +122,7 @@ class DeviceDefaults:
     reps: int = 5
 
 
-_ALL_PEERS = ("stock", "compile", "liger", "cce", "cce_nofilter", "trl", "torch_lce", "ours")
+_ALL_PEERS = ("stock", "compile", "liger", "cce", "cce_nofilter", "trl", "torch_lce", "ours", "ours_lean")
 DEFAULTS = {
     "cuda": DeviceDefaults(
         tuple(s.name for s in GPU_SHAPES), _ALL_PEERS, ("llama3-8b", "qwen3-0.6b"), "llama3-8b", (8192, 32768, 65536)
@@ -245,6 +247,7 @@ PROVIDERS = {
     "trl": ProviderSpec(_trl),
     "torch_lce": ProviderSpec(_torch_lce, softcap=False),
     "ours": ProviderSpec(_ours),
+    "ours_lean": ProviderSpec(lambda kind: with_residual_dw(_ours(kind)), devices=("cuda",)),
 }
 
 

@@ -8,6 +8,7 @@ as prompt (label -100); ``model(input_ids, labels=labels).loss``, backward, opti
          other kernel (rope, rms_norm, swiglu, ...) off
   trl    ``trl.trainer.utils.add_fused_lm_head(model)``, called with ``fused_lm_head=True`` (its ``.loss``)
   ours   ``hf_flce.apply_flce(model)``
+  ours_lean  the same with dW summed in the bf16 gradient plus an int8 residual (what ``HF_FLCE_DW_RESIDUAL=1`` does)
 
 Each provider runs in its own fresh process (class-level patches cannot leak, and memory starts clean); inside it,
 every model and token count is built afresh from the same seed. Reported: tokens/s (tokens per step over the median
@@ -37,8 +38,8 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 import bench_common as bc  # noqa: E402
 
 IGNORE = -100
-PROVIDERS = ("stock", "liger", "trl", "ours")
-CUDA_ONLY = {"liger": "n/a: Liger's kernels need CUDA"}
+PROVIDERS = ("stock", "liger", "trl", "ours", "ours_lean")
+CUDA_ONLY = {"liger": "n/a: Liger's kernels need CUDA", "ours_lean": "n/a: the residual dW GEMM is a CUDA kernel"}
 
 _TINY = {
     "hidden_size": 64,
@@ -152,13 +153,14 @@ def patch(provider: str, model) -> Callable[[torch.Tensor, torch.Tensor], torch.
         return lambda ids, labels: model(input_ids=ids, labels=labels, fused_lm_head=True).loss
     if provider == "liger":
         _apply_liger(model)
-    elif provider == "ours":
+    elif provider in ("ours", "ours_lean"):
         from hf_flce import apply_flce
 
         model = apply_flce(model) or model
     elif provider != "stock":
         raise ValueError(f"unknown provider {provider!r}")
-    return lambda ids, labels: model(input_ids=ids, labels=labels).loss
+    loss_fn = lambda ids, labels: model(input_ids=ids, labels=labels).loss  # noqa: E731
+    return bc.with_residual_dw(loss_fn) if provider == "ours_lean" else loss_fn
 
 
 def train_config(provider: str, name: str, tokens: int, args: argparse.Namespace, dev: bc.Device) -> dict[str, Any]:

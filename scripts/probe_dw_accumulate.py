@@ -1,13 +1,15 @@
 """What does summing dW in the 16-bit gradient plus an int8 residual (``backends/triton_dw.py``) cost, next to cuBLAS?
 
-Three questions, one section each (CUDA only):
+Four questions, one section each (CUDA only):
 
 - ``accuracy``: dW summed over 4 chunks against float64: residual, float32 accumulator, bf16 sums, one GEMM;
 - ``epilogue``: one chunk's dW product ``G^T X`` (``[V, H]``, K = rows per chunk) by cuBLAS with a bf16 output (the
   floor: nothing summed), by cuBLAS adding into a float32 accumulator (the default), and by the residual GEMM for a
   first, middle and last chunk, with ``hi``/``lo`` moved by TMA or by per-thread accesses, over a few tile shapes;
-- ``engine``: fwd+bwd of the whole op at the default budget, residual on and off: time ÷ the 3-GEMM floor and memory
-  beyond the inputs and gradients.
+- ``pingpong``: the warp-specialized Hopper kernel (``backends/hopper_dw.py``) against the Triton one and float64 on
+  odd shapes (rows and V off every block size), one and three chunks;
+- ``engine``: fwd+bwd of the whole op at the default budget, residual on (Hopper kernel, Triton kernel) and off: time
+  ÷ the 3-GEMM floor and memory beyond the inputs and gradients.
 
     python scripts/probe_dw_accumulate.py --out /tmp/probe_dw.json
 """
@@ -55,7 +57,8 @@ def try_time(fn):
         return f"{type(exc).__name__}: {str(exc)[:200]}"
 
 
-EPILOGUE_TILES = ((128, 128, 64, 8, 4), (128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (128, 256, 32, 8, 3))
+EPILOGUE_TILES = ((128, 128, 64, 8, 4),)
+PINGPONG_OPTIONS = (dict(stages=4, split=2), dict(stages=4, split=4), dict(stages=4, split=2, group_m=16))
 
 
 def epilogue_section(shapes) -> list[dict]:
@@ -82,6 +85,13 @@ def epilogue_record(name: str, rows: int) -> dict:
     f32 = None
     acc = ResidualDW((v, h), torch.bfloat16, torch.device(DEVICE), n_chunks=3)
     single = ResidualDW((v, h), torch.bfloat16, torch.device(DEVICE), n_chunks=1)
+    for options in PINGPONG_OPTIONS:
+        acc.pingpong_options = single.pingpong_options = options
+        label = "pingpong_" + ",".join(f"{k}{v}" for k, v in options.items())
+        rec[f"only_{label}_ms"] = try_time(lambda: residual_call(single, g, x, "first"))
+        for pos in ("first", "middle", "last"):
+            rec[f"{pos}_{label}_ms"] = try_time(lambda p=pos: residual_call(acc, g, x, p))
+    acc.pingpong = single.pingpong = False
     for tile in EPILOGUE_TILES:
         acc.config = single.config = tile_config(*tile)
         # one chunk: the mainloop and a bf16 store only (nothing summed)
@@ -152,6 +162,49 @@ def accuracy_section() -> list[dict]:
     return out
 
 
+def pingpong_section() -> list[dict]:
+    """The Hopper kernel's sums next to the Triton kernel's and float64's, for one and three chunks."""
+    out = []
+    # the first three fit one tile per program; the others give each program (and both consumers) many tiles
+    for v, h, rows in ((1000, 512, 1001), (2056, 384, 130), (4096, 256, 64), (8200, 1024, 700), (32000, 4096, 1639)):
+        torch.manual_seed(v + rows)
+        for n_chunks in (1, 3):
+            gs = [(torch.randn(rows, v, device=DEVICE) * 1e-3).bfloat16() for _ in range(n_chunks)]
+            xs = [torch.randn(rows, h, device=DEVICE).bfloat16() for _ in range(n_chunks)]
+            ref = sum(g.double().t() @ x.double() for g, x in zip(gs, xs))
+            results = {}
+            for label, pingpong, options in (
+                ("triton", False, {}),
+                ("pingpong", True, {}),
+                ("pingpong_split4", True, dict(split=4)),
+            ):
+                acc = ResidualDW((v, h), torch.bfloat16, torch.device(DEVICE), n_chunks=n_chunks)
+                acc.pingpong, acc.pingpong_options = pingpong, options
+                for g, x in zip(gs, xs):
+                    acc.add(g, x)
+                results[label] = acc.result()
+            rec = dict(v=v, h=h, rows=rows, n_chunks=n_chunks)
+            for label, result in results.items():
+                rec[f"{label}_err"] = float((result.double() - ref).norm() / ref.norm())
+                if label != "triton":
+                    rec[f"{label}_differ_from_triton"] = float((result != results["triton"]).float().mean())
+            rec["one_gemm_err"] = (
+                float((sum(torch.mm(g.t(), x) for g, x in zip(gs, xs)).double() - ref).norm() / ref.norm())
+                if n_chunks == 1
+                else None
+            )
+            rec["hopper_kernel_taken"] = hopper_taken(gs[0], xs[0], results["pingpong"])
+            print(json.dumps(rec), flush=True)
+            out.append(rec)
+    return out
+
+
+def hopper_taken(g, x, hi) -> bool:
+    from hf_flce.backends import hopper_dw
+
+    return hopper_dw.supports(g, x, hi)
+
+
 def engine_section(shapes) -> list[dict]:
     tiles = resolve_backend("triton", torch.device(DEVICE))
     out = []
@@ -164,10 +217,10 @@ def engine_section(shapes) -> list[dict]:
         floor = time_ms(lambda x=x, w=w, z=logits: (torch.mm(x, w.t()), torch.mm(z, w), torch.mm(z.t(), x)))
         logits = None
         rec = dict(shape=name, n=n, v=v, h=h, floor_3gemm_ms=floor)
-        variants = [("off", None, False), ("on", tiles.residual_dw or triton_dw, True)]
-        variants.append(("on_plain_epilogue", tiles.residual_dw or triton_dw, False))
-        for label, residual, tma in variants:
-            with mock.patch.object(tiles, "residual_dw", residual), mock.patch.object(ResidualDW, "tma_epilogue", tma):
+        on = tiles.residual_dw or triton_dw
+        variants = [("off", None, True), ("on", on, True), ("on_triton_kernel", on, False)]
+        for label, residual, pingpong in variants:
+            with mock.patch.object(tiles, "residual_dw", residual), mock.patch.object(ResidualDW, "pingpong", pingpong):
                 xg, wg = x.detach().requires_grad_(), w.detach().requires_grad_()
 
                 def step(xg=xg, wg=wg, y=y):
@@ -200,7 +253,7 @@ def engine_section(shapes) -> list[dict]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="probe_dw_accumulate.json")
-    p.add_argument("--sections", default="accuracy,epilogue,engine")
+    p.add_argument("--sections", default="pingpong,epilogue,engine")
     p.add_argument("--shapes", default=",".join(SHAPES))
     args = p.parse_args()
     shapes = args.shapes.split(",")
@@ -210,6 +263,8 @@ def main() -> None:
         result["accuracy"] = accuracy_section()
     if "epilogue" in sections:
         result["epilogue"] = epilogue_section(shapes)
+    if "pingpong" in sections:
+        result["pingpong"] = pingpong_section()
     if "engine" in sections:
         result["engine"] = engine_section(shapes)
     Path(args.out).write_text(json.dumps(result, indent=1))

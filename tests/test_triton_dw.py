@@ -5,6 +5,8 @@ sum), which summing in 16 bits does not. On CPU the kernel runs in the Triton in
 """
 
 import os
+import sys
+from pathlib import Path
 
 import torch
 
@@ -18,7 +20,7 @@ from test_triton_backend import DEVICE, assert_close, make_inputs  # noqa: E402
 
 import hf_flce  # noqa: E402
 from hf_flce import engine  # noqa: E402
-from hf_flce.backends import resolve_backend, triton_dw  # noqa: E402
+from hf_flce.backends import hopper_dw, resolve_backend, triton_dw  # noqa: E402
 from hf_flce.backends.triton_dw import ResidualDW  # noqa: E402
 from hf_flce.backends.triton_tiles import TritonTileOps  # noqa: E402
 
@@ -36,9 +38,10 @@ def exact_sum(grads, xs):
     return sum(g.double().T @ x.double() for g, x in zip(grads, xs))
 
 
-def residual_sum(grads, xs, shape, dtype, tma_epilogue=True):
+def residual_sum(grads, xs, shape, dtype, tma_epilogue=True, pingpong=True):
     acc = ResidualDW(shape, dtype, DEVICE, n_chunks=len(grads))
     acc.tma_epilogue = tma_epilogue  # used on Hopper GPUs where the rows are 16-byte aligned
+    acc.pingpong = pingpong
     for g, x in zip(grads, xs):
         acc.add(g, x)
     return acc.result()
@@ -116,6 +119,45 @@ def test_magnitudes():
     through = sum((g.double().T @ x.double()).abs() for g, x in zip(grads, xs))
     bound = ref.abs() * 2**-8 + through * 2**-15
     assert ((out.double() - ref).abs() <= bound).all()
+
+
+HOPPER = DEVICE.type == "cuda" and hopper_dw.AVAILABLE and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="the warp-specialized kernel needs a Hopper GPU and Gluon")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "m, n, rows",
+    [
+        (1000, 512, (1001, 64, 130)),  # V and rows off every block size; one tile per program
+        (8200, 1024, (700, 700, 5)),  # many tiles per program: both consumers and the ring across tiles
+        (4096, 256, (64,)),  # one chunk: no residual
+        (2056, 384, (1, 2)),  # a one-row chunk
+    ],
+    ids=["ragged", "many-tiles", "one-chunk", "one-row-chunks"],
+)
+def test_hopper_kernel(dtype, m, n, rows):
+    """The warp-specialized Hopper kernel (``hopper_dw``) gives the Triton kernel's sums bit for bit."""
+    grads, xs = chunk_products(m, n, rows, dtype, seed=m + n)
+    assert hopper_dw.supports(grads[0], xs[0], torch.empty(m, n, dtype=dtype, device=DEVICE))
+    out = residual_sum(grads, xs, (m, n), dtype)
+    assert torch.equal(out, residual_sum(grads, xs, (m, n), dtype, pingpong=False))
+    ref = exact_sum(grads, xs)
+    assert rel_err(out, ref) <= rel_err(ref.to(dtype), ref) * 1.01
+
+
+def test_hopper_kernel_refusals():
+    """Where TMA cannot address the operands (or there is no Hopper GPU), the Triton kernel takes the chunk."""
+    g = torch.zeros(8, 1000, dtype=torch.bfloat16, device=DEVICE)
+    x = torch.zeros(8, 64, dtype=torch.bfloat16, device=DEVICE)
+    hi = torch.zeros(1000, 64, dtype=torch.bfloat16, device=DEVICE)
+    assert hopper_dw.supports(g, x, hi) == HOPPER
+    odd = torch.zeros(8, 999, dtype=torch.bfloat16, device=DEVICE)
+    assert not hopper_dw.supports(odd, x, hi[:999])  # rows of 1998 bytes
+    assert not hopper_dw.supports(g[:0], x[:0], hi)  # no rows
+    assert not hopper_dw.supports(g.float(), x, hi)
+    assert not hopper_dw.supports(g, x[:, 1:9], hi[:, :8])  # x's rows not 16-byte aligned at their start
 
 
 def test_misuse_is_an_error():
@@ -213,6 +255,27 @@ def test_engine_keeps_float32_weights_and_single_chunks_off_it(residual_on, resi
     # one chunk: one GEMM, nothing summed
     hf_flce.fused_linear_cross_entropy(hidden.bfloat16(), w16, target, backend="triton").backward()
     assert residual_chunks["add"] == 0
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_benchmarks_lean_provider(reduction, residual_chunks):
+    """The benchmarks' ``ours_lean`` wrapper: the call and the backward that follows it sum dW in the residual, while
+    the process-wide backend keeps its float32 accumulator."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from bench_common import with_residual_dw
+
+    hidden, weight, target, _ = make_inputs(48, 24, 70, ignore_every=4)
+    h = hidden.bfloat16().requires_grad_()
+    w = weight.bfloat16().requires_grad_()
+    upstream = None if reduction == "mean" else torch.rand(48, device=DEVICE)
+    lean = with_residual_dw(hf_flce.fused_linear_cross_entropy)
+    loss = lean(h, w, target, reduction=reduction, memory_budget=4096, backend="triton")
+    (loss if upstream is None else (loss * upstream).sum()).backward()
+    assert residual_chunks["add"] >= 3
+    assert resolve_backend("triton", DEVICE).residual_dw is None
+    ref_dx, ref_dw = reference_grads(hidden, weight, target, reduction, upstream)
+    assert_close(w.grad, ref_dw, 1e-2, "dW")
+    assert_close(h.grad, ref_dx, 1e-2, "dX")
 
 
 def test_chunk_plan_budgets_the_residual():

@@ -189,6 +189,9 @@ class ResidualDW:
 
     tma_epilogue = True
     config: triton.Config | None = None  # scripts/probe_dw_accumulate.py tries others
+    # Hopper: the warp-specialized Gluon kernel of hopper_dw where it takes the chunk; its keyword options
+    pingpong = True
+    pingpong_options: dict = {}
 
     def __init__(self, shape: tuple[int, int], dtype: torch.dtype, device: torch.device, n_chunks: int):
         self.hi = torch.empty(shape, dtype=dtype, device=device)
@@ -205,6 +208,13 @@ class ResidualDW:
         rows = grad_logits.shape[0]
         m, n = self.hi.shape
         grad_logits, x_chunk = (t if t.stride(-1) == 1 else t.contiguous() for t in (grad_logits, x_chunk))
+        from . import hopper_dw  # it builds on this module's jit functions
+
+        if self.pingpong and hopper_dw.supports(grad_logits, x_chunk, self.hi):
+            hopper_dw.accumulate(grad_logits, x_chunk, self.hi, self.lo, first, last, **self.pingpong_options)
+            if last:
+                self.lo = None
+            return
         # Row strides in multiples of 16 elements, not just 16 bytes: with a stride Triton does not specialise as
         # divisible by 16, the 128x256 TMA configuration needed 272 KiB of shared memory on an H200 (over the limit).
         use_tma = (

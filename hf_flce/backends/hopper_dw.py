@@ -1,0 +1,315 @@
+"""The residual dW GEMM of ``triton_dw`` as a warp-specialized Hopper kernel (Gluon; CUDA, compute capability 9.x).
+
+``triton_dw``'s Triton GEMM adds each chunk's ``G_c^T X_c`` into the bf16 gradient ``hi`` plus an int8 residual ``lo``
+in its epilogue, and nothing overlaps that epilogue with the next tile's mainloop: 1.5-1.7x cuBLAS per chunk. This
+kernel gives each program three partitions that run concurrently:
+
+- a loader warp that streams the ``G`` and ``X`` tiles of every K step through one ring of shared-memory stages,
+  in the program's tile order;
+- two consumer warpgroups that take the program's tiles in turn (even, odd). Because the ring is filled in tile order,
+  consumer 1's operands arrive as consumer 0's mainloop ends, so one runs its tensor-core mainloop while the other
+  runs its epilogue (the "ping-pong" schedule of CUTLASS's Hopper kernels). Each consumer fetches its tile's ``hi``/``lo``
+  by TMA when the tile starts, so the epilogue finds them in shared memory.
+
+The arithmetic of the epilogue is ``triton_dw``'s (the same jit functions).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from . import triton_dw
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    AVAILABLE = True
+except ImportError:  # Triton without Gluon's Hopper API
+    AVAILABLE = False
+
+BM, BN, BK = 128, 128, 64
+
+if AVAILABLE:
+    _residual_unit = gluon.jit(triton_dw._residual_unit.fn)
+    _round_to_bf16 = gluon.jit(triton_dw._round_to_bf16.fn)
+
+    @gluon.jit
+    def _tile_origin(tile, tiles_m, tiles_n, BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr):
+        """Row and column of a tile's first element, tiles ordered in groups of ``GROUP_M`` tile rows (L2 reuse)."""
+        per_group = GROUP_M * tiles_n
+        first_m = (tile // per_group) * GROUP_M
+        group_rows = gl.minimum(tiles_m - first_m, GROUP_M)
+        pid_m = first_m + (tile % per_group) % group_rows
+        pid_n = (tile % per_group) // group_rows
+        return pid_m * BM, pid_n * BN
+
+    @gluon.jit
+    def _split_columns(x, SPLIT: gl.constexpr):
+        """``x`` ``[BM, BN]`` as ``SPLIT`` column slices, in order; each thread keeps its own elements."""
+        parts = (x,)
+        for _ in gl.static_range(SPLIT.bit_length() - 1):
+            halves = ()
+            for j in gl.static_range(len(parts)):
+                part = parts[j]
+                # [BM, 2, BN/2] with the halves last: a thread holds column c and c + BN/2 alike
+                halves += part.reshape([part.shape[0], 2, part.shape[1] // 2]).permute(0, 2, 1).split()
+            parts = halves
+        return parts
+
+    @gluon.jit
+    def _add_into_residual(
+        acc, hi_smem, lo_smem, FIRST: gl.constexpr, LAST: gl.constexpr, MANT: gl.constexpr, MIN_EXP: gl.constexpr
+    ):
+        """``(hi, lo) += acc`` for one slice of a tile, ``hi``/``lo`` in shared memory; the arithmetic of
+        ``triton_dw._dw_accumulate_kernel``'s epilogue."""
+        layout: gl.constexpr = acc.type.layout
+        total = acc
+        if not FIRST:
+            hi = hi_smem.load(layout)
+            lo = lo_smem.load(layout)
+            unit, _ = _residual_unit(hi, MANT, MIN_EXP)
+            total += hi.to(gl.float32) + lo.to(gl.float32) * unit
+        if MANT == 7:
+            new_hi = _round_to_bf16(total).to(hi_smem.dtype)
+        else:
+            new_hi = total.to(hi_smem.dtype)
+        hi_smem.store(new_hi)
+        if not LAST:
+            _, inv_unit = _residual_unit(new_hi, MANT, MIN_EXP)
+            q = gl.floor((total - new_hi.to(gl.float32)) * inv_unit + 0.5)
+            lo_smem.store(gl.minimum(gl.maximum(q, -127.0), 127.0).to(gl.int8))
+
+    @gluon.jit
+    def _load_partition(p):
+        """The loader warp: ``G`` and ``X`` tiles of every K step of every tile of this program, in order."""
+        descs, buffers, barriers, sizes = p
+        g_desc, x_desc, hi_desc, lo_desc = descs
+        a_bufs, b_bufs, hi_bufs, lo_bufs = buffers
+        ready, empty, epi, turn = barriers
+        M, N, K, GROUP_M = sizes
+        STAGES: gl.constexpr = a_bufs.type.shape[0]
+        BK: gl.constexpr = g_desc.block_type.shape[0]
+        BM: gl.constexpr = hi_desc.block_type.shape[0]
+        BN: gl.constexpr = hi_desc.block_type.shape[1]
+        tiles_m = gl.cdiv(M, BM)
+        tiles_n = gl.cdiv(N, BN)
+        k_steps = gl.cdiv(K, BK)
+        step_bytes: gl.constexpr = g_desc.block_type.nbytes + x_desc.block_type.nbytes
+        step = 0
+        for tile in range(gl.program_id(0), tiles_m * tiles_n, gl.num_programs(0)):
+            off_m, off_n = _tile_origin(tile, tiles_m, tiles_n, BM, BN, GROUP_M)
+            for k in range(k_steps):
+                stage = step % STAGES
+                # a stage's empty barrier starts out completed (phase 1): the first pass through the ring waits for
+                # nothing
+                mbarrier.wait(empty.index(stage), ((step // STAGES) & 1) ^ 1)
+                mbarrier.expect(ready.index(stage), step_bytes)
+                tma.async_copy_global_to_shared(g_desc, [k * BK, off_m], ready.index(stage), a_bufs.index(stage))
+                tma.async_copy_global_to_shared(x_desc, [k * BK, off_n], ready.index(stage), b_bufs.index(stage))
+                step += 1
+
+    @gluon.jit
+    def _consumer_partition(
+        p,
+        FIRST: gl.constexpr,
+        LAST: gl.constexpr,
+        MANT: gl.constexpr,
+        MIN_EXP: gl.constexpr,
+        SPLIT: gl.constexpr,
+        WHICH: gl.constexpr,
+    ):
+        """Consumer ``WHICH`` (0 or 1): the mainloop and epilogue of every other tile of this program."""
+        descs, buffers, barriers, sizes = p
+        g_desc, x_desc, hi_desc, lo_desc = descs
+        a_bufs, b_bufs, hi_bufs, lo_bufs = buffers
+        ready, empty, epi, turn = barriers
+        M, N, K, GROUP_M = sizes
+        STAGES: gl.constexpr = a_bufs.type.shape[0]
+        BK: gl.constexpr = g_desc.block_type.shape[0]
+        BM: gl.constexpr = hi_desc.block_type.shape[0]
+        BN: gl.constexpr = hi_desc.block_type.shape[1]
+        # one warpgroup, tensor-core instructions 16 x BN x 16
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16]
+        )
+        hi_smem = hi_bufs.index(WHICH)
+        lo_smem = lo_bufs.index(WHICH)
+        epi_bar = epi.index(WHICH)
+        epi_bytes: gl.constexpr = hi_desc.block_type.nbytes + lo_desc.block_type.nbytes
+        width: gl.constexpr = BN // SPLIT
+        tiles_m = gl.cdiv(M, BM)
+        tiles_n = gl.cdiv(N, BN)
+        k_steps = gl.cdiv(K, BK)
+        programs = gl.num_programs(0)
+        mine = 0
+        for tile in range(gl.program_id(0) + WHICH * programs, tiles_m * tiles_n, 2 * programs):
+            off_m, off_n = _tile_origin(tile, tiles_m, tiles_n, BM, BN, GROUP_M)
+            # the previous tile's TMA stores read hi_smem/lo_smem: they must be done before the buffers are refilled
+            tma.store_wait(0)
+            if not FIRST:
+                mbarrier.expect(epi_bar, epi_bytes)
+                tma.async_copy_global_to_shared(hi_desc, [off_m, off_n], epi_bar, hi_smem)
+                tma.async_copy_global_to_shared(lo_desc, [off_m, off_n], epi_bar, lo_smem)
+
+            # The mainloops take turns: this one starts when the other consumer's previous one has ended. Besides
+            # giving the tensor cores to one warpgroup at a time, this keeps every wait on a stage's barrier within
+            # one phase of it (an mbarrier's parity cannot tell phase k from phase k - 2).
+            if WHICH == 0:
+                mbarrier.wait(turn.index(1), (mine - 1) & 1, pred=mine > 0)
+            else:
+                mbarrier.wait(turn.index(0), mine & 1)
+            # this tile's K steps sit at ring positions (2 mine + WHICH) k_steps + k
+            step = (2 * mine + WHICH) * k_steps
+            acc = gl.zeros([BM, BN], gl.float32, acc_layout)
+            for k in range(k_steps):
+                stage = step % STAGES
+                mbarrier.wait(ready.index(stage), (step // STAGES) & 1)
+                acc = warpgroup_mma(a_bufs.index(stage).permute((1, 0)), b_bufs.index(stage), acc, is_async=True)
+                # at most one MMA in flight: the previous step's is done, so its stage goes back to the loader
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=k > 0)
+                step += 1
+            mbarrier.arrive(turn.index(WHICH))
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES))
+
+            # the epilogue in column slices: a whole tile of hi and lo next to the accumulator would spill
+            if not FIRST:
+                mbarrier.wait(epi_bar, mine & 1)
+            parts = _split_columns(acc, SPLIT)
+            for i in gl.static_range(len(parts)):
+                hi_part = hi_smem.slice(i * width, width, dim=1)
+                lo_part = lo_smem.slice(i * width, width, dim=1)
+                _add_into_residual(parts[i], hi_part, lo_part, FIRST, LAST, MANT, MIN_EXP)
+            fence_async_shared()
+            tma.async_copy_shared_to_global(hi_desc, [off_m, off_n], hi_smem)
+            if not LAST:
+                tma.async_copy_shared_to_global(lo_desc, [off_m, off_n], lo_smem)
+            mine += 1
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _dw_pingpong_kernel(
+        g_desc,
+        x_desc,
+        hi_desc,
+        lo_desc,
+        M,
+        N,
+        K,
+        FIRST: gl.constexpr,
+        LAST: gl.constexpr,
+        MANT: gl.constexpr,
+        MIN_EXP: gl.constexpr,
+        GROUP_M: gl.constexpr,
+        STAGES: gl.constexpr,
+        SPLIT: gl.constexpr,
+    ):
+        """``(hi, lo) += g^T x`` for ``g`` ``[K, M]`` and ``x`` ``[K, N]`` (see ``triton_dw._dw_accumulate_kernel``)."""
+        a_bufs = gl.allocate_shared_memory(g_desc.dtype, [STAGES] + g_desc.block_type.shape, g_desc.layout)
+        b_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
+        hi_bufs = gl.allocate_shared_memory(hi_desc.dtype, [2] + hi_desc.block_type.shape, hi_desc.layout)
+        lo_bufs = gl.allocate_shared_memory(lo_desc.dtype, [2] + lo_desc.block_type.shape, lo_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        epi = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        for i in gl.static_range(2):
+            mbarrier.init(epi.index(i), count=1)
+            mbarrier.init(turn.index(i), count=1)
+        p = (
+            (g_desc, x_desc, hi_desc, lo_desc),
+            (a_bufs, b_bufs, hi_bufs, lo_bufs),
+            (ready, empty, epi, turn),
+            (M, N, K, GROUP_M),
+        )
+        gl.warp_specialize(
+            [
+                (_consumer_partition, (p, FIRST, LAST, MANT, MIN_EXP, SPLIT, 0)),
+                (_consumer_partition, (p, FIRST, LAST, MANT, MIN_EXP, SPLIT, 1)),
+                (_load_partition, (p,)),
+            ],
+            [4, 1],
+            [232, 40],
+        )
+
+
+def supports(grad_logits: torch.Tensor, x_chunk: torch.Tensor, hi: torch.Tensor) -> bool:
+    """Whether this kernel can take the chunk: Gluon present, a Hopper GPU, 16-bit operands of ``hi``'s dtype, and
+    rows that TMA can address (16-byte aligned bases and row strides, unit column strides)."""
+    if not AVAILABLE or hi.device.type != "cuda" or torch.cuda.get_device_capability(hi.device)[0] != 9:
+        return False
+    tensors = (grad_logits, x_chunk, hi)
+    return (
+        grad_logits.shape[0] > 0
+        and all(t.dtype == hi.dtype for t in tensors)
+        and hi.dtype in (torch.bfloat16, torch.float16)
+        and all(
+            t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in tensors
+        )
+    )
+
+
+def accumulate(
+    grad_logits: torch.Tensor,
+    x_chunk: torch.Tensor,
+    hi: torch.Tensor,
+    lo: torch.Tensor | None,
+    first: bool,
+    last: bool,
+    stages: int = 4,
+    group_m: int = 8,
+    split: int = 2,
+) -> None:
+    """``(hi, lo) += grad_logits^T x_chunk`` (``[rows, M]``, ``[rows, N]``); ``lo`` ``[M, N]`` int8, ``None`` when
+    ``first and last``. Only where ``supports`` holds."""
+    rows, m = grad_logits.shape
+    n = x_chunk.shape[1]
+    dtype = gl.bfloat16 if hi.dtype == torch.bfloat16 else gl.float16
+    if lo is None:  # one chunk: lo is never read or written, but its descriptor has the tile's shape
+        lo = torch.empty((BM, BN), dtype=torch.int8, device=hi.device)
+
+    def desc(t, block, elem):
+        return TensorDescriptor(
+            t, list(t.shape), list(t.stride()), block, gl.NVMMASharedLayout.get_default_for(block, elem)
+        )
+
+    g_desc = desc(grad_logits, [BK, BM], dtype)
+    x_desc = desc(x_chunk, [BK, BN], dtype)
+    hi_desc = desc(hi, [BM, BN], dtype)
+    lo_desc = desc(lo, [BM, BN], gl.int8)
+    mant, min_exp = triton_dw._FORMAT[hi.dtype]
+    tiles = triton.cdiv(m, BM) * triton.cdiv(n, BN)
+    programs = min(torch.cuda.get_device_properties(hi.device).multi_processor_count, tiles)
+    with torch.cuda.device(hi.device):
+        _dw_pingpong_kernel[(programs,)](
+            g_desc,
+            x_desc,
+            hi_desc,
+            lo_desc,
+            m,
+            n,
+            rows,
+            FIRST=first,
+            LAST=last,
+            MANT=mant,
+            MIN_EXP=min_exp,
+            GROUP_M=group_m,
+            STAGES=stages,
+            SPLIT=split,
+            num_warps=4,
+            maxnreg=168,
+        )
