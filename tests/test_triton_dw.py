@@ -156,6 +156,7 @@ def test_hopper_kernel_refusals():
     odd = torch.zeros(8, 999, dtype=torch.bfloat16, device=DEVICE)
     assert not hopper_dw.supports(odd, x, hi[:999])  # rows of 1998 bytes
     assert not hopper_dw.supports(g[:0], x[:0], hi)  # no rows
+    assert not hopper_dw.supports(g, x[:, :24], hi[:, :24].contiguous())  # int8 residual rows of 24 bytes
     assert not hopper_dw.supports(g.float(), x, hi)
     assert not hopper_dw.supports(g, x[:, 1:9], hi[:, :8])  # x's rows not 16-byte aligned at their start
 

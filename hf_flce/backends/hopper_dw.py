@@ -249,12 +249,14 @@ if AVAILABLE:
 
 def supports(grad_logits: torch.Tensor, x_chunk: torch.Tensor, hi: torch.Tensor) -> bool:
     """Whether this kernel can take the chunk: Gluon present, a Hopper GPU, 16-bit operands of ``hi``'s dtype, and
-    rows that TMA can address (16-byte aligned bases and row strides, unit column strides)."""
+    rows that TMA can address (16-byte aligned bases and row strides, unit column strides, for ``hi`` and for an int8
+    residual of its shape)."""
     if not AVAILABLE or hi.device.type != "cuda" or torch.cuda.get_device_capability(hi.device)[0] != 9:
         return False
     tensors = (grad_logits, x_chunk, hi)
     return (
         grad_logits.shape[0] > 0
+        and hi.shape[1] % 16 == 0  # the int8 residual's rows, 16-byte aligned for TMA
         and all(t.dtype == hi.dtype for t in tensors)
         and hi.dtype in (torch.bfloat16, torch.float16)
         and all(
