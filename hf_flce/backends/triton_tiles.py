@@ -397,7 +397,8 @@ class TritonTileOps:
             gemm_epilogue = {"1": True, "0": False}.get(os.environ.get("HF_FLCE_GEMM_EPILOGUE", "auto"))
         # dW summed across chunks into the 16-bit gradient plus an int8 residual (``triton_dw``): V H bytes instead
         # of a 4 V H float32 accumulator, and the budget covers it. Opt-in (``HF_FLCE_DW_RESIDUAL=1`` or
-        # ``dw_residual=True``): its GEMM runs 1.4-1.8x cuBLAS (docs/PERF_NOTES.md, v7 and v8).
+        # ``dw_residual=True``): even its Hopper kernel (hopper_dw) runs a middle chunk at 1.3-1.5x cuBLAS's bf16
+        # GEMM, so fwd+bwd goes from 1.05x to 1.16x the floor on llama3-8b (docs/PERF_NOTES.md, v9).
         if dw_residual is None:
             dw_residual = os.environ.get("HF_FLCE_DW_RESIDUAL", "0") == "1"
         from . import triton_dw, triton_gemm  # they build on this module's jit helpers
