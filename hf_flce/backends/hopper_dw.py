@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from . import triton_dw
+from . import triton_dw, triton_gemm
 
 try:
     from triton.experimental import gluon
@@ -42,16 +42,7 @@ BM, BN, BK = 128, 128, 64
 if AVAILABLE:
     _residual_unit = gluon.jit(triton_dw._residual_unit.fn)
     _round_to_bf16 = gluon.jit(triton_dw._round_to_bf16.fn)
-
-    @gluon.jit
-    def _tile_origin(tile, tiles_m, tiles_n, BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr):
-        """Row and column of a tile's first element, tiles ordered in groups of ``GROUP_M`` tile rows (L2 reuse)."""
-        per_group = GROUP_M * tiles_n
-        first_m = (tile // per_group) * GROUP_M
-        group_rows = gl.minimum(tiles_m - first_m, GROUP_M)
-        pid_m = first_m + (tile % per_group) % group_rows
-        pid_n = (tile % per_group) // group_rows
-        return pid_m * BM, pid_n * BN
+    _grouped_block = gluon.jit(triton_gemm.grouped_block.fn)
 
     @gluon.jit
     def _split_columns(x, SPLIT: gl.constexpr):
@@ -90,37 +81,34 @@ if AVAILABLE:
             lo_smem.store(gl.minimum(gl.maximum(q, -127.0), 127.0).to(gl.int8))
 
     @gluon.jit
-    def _load_partition(p):
+    def _load_partition(g_desc, x_desc, a_bufs, b_bufs, ready, empty, M, N, K, GROUP_M: gl.constexpr):
         """The loader warp: ``G`` and ``X`` tiles of every K step of every tile of this program, in order."""
-        descs, buffers, barriers, sizes = p
-        g_desc, x_desc, hi_desc, lo_desc = descs
-        a_bufs, b_bufs, hi_bufs, lo_bufs = buffers
-        ready, empty, epi, turn = barriers
-        M, N, K, GROUP_M = sizes
         STAGES: gl.constexpr = a_bufs.type.shape[0]
         BK: gl.constexpr = g_desc.block_type.shape[0]
-        BM: gl.constexpr = hi_desc.block_type.shape[0]
-        BN: gl.constexpr = hi_desc.block_type.shape[1]
+        BM: gl.constexpr = g_desc.block_type.shape[1]
+        BN: gl.constexpr = x_desc.block_type.shape[1]
         tiles_m = gl.cdiv(M, BM)
-        tiles_n = gl.cdiv(N, BN)
         k_steps = gl.cdiv(K, BK)
+        per_group = GROUP_M * gl.cdiv(N, BN)
         step_bytes: gl.constexpr = g_desc.block_type.nbytes + x_desc.block_type.nbytes
         step = 0
-        for tile in range(gl.program_id(0), tiles_m * tiles_n, gl.num_programs(0)):
-            off_m, off_n = _tile_origin(tile, tiles_m, tiles_n, BM, BN, GROUP_M)
+        for tile in range(gl.program_id(0), tiles_m * gl.cdiv(N, BN), gl.num_programs(0)):
+            pid_m, pid_n = _grouped_block(tile, tiles_m, per_group, GROUP_M)
             for k in range(k_steps):
                 stage = step % STAGES
                 # a stage's empty barrier starts out completed (phase 1): the first pass through the ring waits for
                 # nothing
                 mbarrier.wait(empty.index(stage), ((step // STAGES) & 1) ^ 1)
                 mbarrier.expect(ready.index(stage), step_bytes)
-                tma.async_copy_global_to_shared(g_desc, [k * BK, off_m], ready.index(stage), a_bufs.index(stage))
-                tma.async_copy_global_to_shared(x_desc, [k * BK, off_n], ready.index(stage), b_bufs.index(stage))
+                tma.async_copy_global_to_shared(g_desc, [k * BK, pid_m * BM], ready.index(stage), a_bufs.index(stage))
+                tma.async_copy_global_to_shared(x_desc, [k * BK, pid_n * BN], ready.index(stage), b_bufs.index(stage))
                 step += 1
 
     @gluon.jit
     def _consumer_partition(
-        p,
+        mainloop,
+        epilogue,
+        sizes,
         FIRST: gl.constexpr,
         LAST: gl.constexpr,
         MANT: gl.constexpr,
@@ -129,10 +117,8 @@ if AVAILABLE:
         WHICH: gl.constexpr,
     ):
         """Consumer ``WHICH`` (0 or 1): the mainloop and epilogue of every other tile of this program."""
-        descs, buffers, barriers, sizes = p
-        g_desc, x_desc, hi_desc, lo_desc = descs
-        a_bufs, b_bufs, hi_bufs, lo_bufs = buffers
-        ready, empty, epi, turn = barriers
+        g_desc, a_bufs, b_bufs, ready, empty, turn = mainloop
+        hi_desc, lo_desc, hi_bufs, lo_bufs, epi = epilogue
         M, N, K, GROUP_M = sizes
         STAGES: gl.constexpr = a_bufs.type.shape[0]
         BK: gl.constexpr = g_desc.block_type.shape[0]
@@ -148,12 +134,14 @@ if AVAILABLE:
         epi_bytes: gl.constexpr = hi_desc.block_type.nbytes + lo_desc.block_type.nbytes
         width: gl.constexpr = BN // SPLIT
         tiles_m = gl.cdiv(M, BM)
-        tiles_n = gl.cdiv(N, BN)
         k_steps = gl.cdiv(K, BK)
+        per_group = GROUP_M * gl.cdiv(N, BN)
         programs = gl.num_programs(0)
         mine = 0
-        for tile in range(gl.program_id(0) + WHICH * programs, tiles_m * tiles_n, 2 * programs):
-            off_m, off_n = _tile_origin(tile, tiles_m, tiles_n, BM, BN, GROUP_M)
+        for tile in range(gl.program_id(0) + WHICH * programs, tiles_m * gl.cdiv(N, BN), 2 * programs):
+            pid_m, pid_n = _grouped_block(tile, tiles_m, per_group, GROUP_M)
+            off_m = pid_m * BM
+            off_n = pid_n * BN
             # the previous tile's TMA stores read hi_smem/lo_smem: they must be done before the buffers are refilled
             tma.store_wait(0)
             if not FIRST:
@@ -230,17 +218,14 @@ if AVAILABLE:
         for i in gl.static_range(2):
             mbarrier.init(epi.index(i), count=1)
             mbarrier.init(turn.index(i), count=1)
-        p = (
-            (g_desc, x_desc, hi_desc, lo_desc),
-            (a_bufs, b_bufs, hi_bufs, lo_bufs),
-            (ready, empty, epi, turn),
-            (M, N, K, GROUP_M),
-        )
+        mainloop = (g_desc, a_bufs, b_bufs, ready, empty, turn)
+        epilogue = (hi_desc, lo_desc, hi_bufs, lo_bufs, epi)
+        sizes = (M, N, K, GROUP_M)
         gl.warp_specialize(
             [
-                (_consumer_partition, (p, FIRST, LAST, MANT, MIN_EXP, SPLIT, 0)),
-                (_consumer_partition, (p, FIRST, LAST, MANT, MIN_EXP, SPLIT, 1)),
-                (_load_partition, (p,)),
+                (_consumer_partition, (mainloop, epilogue, sizes, FIRST, LAST, MANT, MIN_EXP, SPLIT, 0)),
+                (_consumer_partition, (mainloop, epilogue, sizes, FIRST, LAST, MANT, MIN_EXP, SPLIT, 1)),
+                (_load_partition, (g_desc, x_desc, a_bufs, b_bufs, ready, empty, M, N, K, GROUP_M)),
             ],
             [4, 1],
             [232, 40],
@@ -294,8 +279,7 @@ def accumulate(
     hi_desc = desc(hi, [BM, BN], dtype)
     lo_desc = desc(lo, [BM, BN], gl.int8)
     mant, min_exp = triton_dw._FORMAT[hi.dtype]
-    tiles = triton.cdiv(m, BM) * triton.cdiv(n, BN)
-    programs = min(torch.cuda.get_device_properties(hi.device).multi_processor_count, tiles)
+    programs = min(triton_gemm._program_limit(hi.device), triton.cdiv(m, BM) * triton.cdiv(n, BN))
     with torch.cuda.device(hi.device):
         _dw_pingpong_kernel[(programs,)](
             g_desc,

@@ -205,16 +205,19 @@ class ResidualDW:
             raise RuntimeError(f"ResidualDW: a chunk beyond the {self.n_chunks} announced")
         first, last = self.added == 0, self.added == self.n_chunks - 1
         self.added += 1
-        rows = grad_logits.shape[0]
-        m, n = self.hi.shape
         grad_logits, x_chunk = (t if t.stride(-1) == 1 else t.contiguous() for t in (grad_logits, x_chunk))
         from . import hopper_dw  # it builds on this module's jit functions
 
         if self.pingpong and hopper_dw.supports(grad_logits, x_chunk, self.hi):
             hopper_dw.accumulate(grad_logits, x_chunk, self.hi, self.lo, first, last, **self.pingpong_options)
-            if last:
-                self.lo = None
-            return
+        else:
+            self._add_triton(grad_logits, x_chunk, first, last)
+        if last:
+            self.lo = None
+
+    def _add_triton(self, grad_logits: torch.Tensor, x_chunk: torch.Tensor, first: bool, last: bool) -> None:
+        rows = grad_logits.shape[0]
+        m, n = self.hi.shape
         # Row strides in multiples of 16 elements, not just 16 bytes: with a stride Triton does not specialise as
         # divisible by 16, the 128x256 TMA configuration needed 272 KiB of shared memory on an H200 (over the limit).
         use_tma = (
@@ -260,8 +263,6 @@ class ResidualDW:
                 num_stages=config.num_stages,
                 **config.kwargs,
             )
-        if last:
-            self.lo = None
 
     def result(self) -> torch.Tensor:
         if self.added != self.n_chunks:

@@ -116,14 +116,19 @@ def _tma_scratch(size: int, alignment: int, stream):
 
 
 @triton.jit
-def grouped_tile(tile, tiles_m, per_group, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
-    """Tile ``tile`` of an ``[M, N]`` output in grouped order (``per_group = GROUP_M * tiles_n``): GROUP_M row blocks
-    sweep the columns together, so each column block's operand tile is read from L2 that often. Its block indices,
-    row and column indices, and their in-range masks."""
+def grouped_block(tile, tiles_m, per_group, GROUP_M: tl.constexpr):
+    """Row and column block of tile ``tile`` in grouped order (``per_group = GROUP_M * tiles_n``): GROUP_M row blocks
+    sweep the columns together, so each column block's operand tile is read from L2 that often."""
     first_m = (tile // per_group) * GROUP_M
     group_m = min(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (tile % per_group) % group_m
-    pid_n = (tile % per_group) // group_m
+    return first_m + (tile % per_group) % group_m, (tile % per_group) // group_m
+
+
+@triton.jit
+def grouped_tile(tile, tiles_m, per_group, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+    """Tile ``tile`` of an ``[M, N]`` output in grouped order (``grouped_block``): its block indices, row and column
+    indices, and their in-range masks."""
+    pid_m, pid_n = grouped_block(tile, tiles_m, per_group, GROUP_M)
     rows = pid_m * BM + tl.arange(0, BM)
     cols = pid_n * BN + tl.arange(0, BN)
     return pid_m, pid_n, rows, cols, rows < M, cols < N
