@@ -24,7 +24,8 @@ logit), with ``p_j = e_j exp(m_tile - lse)``:
 (``base.py`` derives the coefficients.) With a softcap, ``dt_j/dz_j = (1 - (t_j temperature / softcap)**2) /
 temperature`` needs ``t_j``: the pass takes it as ``m_tile + log e_j`` (off by e's fp16 rounding, about 2**-11, which
 matters only where tanh saturates and ``dt`` is tiny), except at the target column, whose ``e_y`` may have underflowed:
-there it uses ``t_y``, kept from the forward tile. Where ``e_j`` underflowed to 0, ``t_j`` is lost, but every term
+there it uses ``t_y``, kept from the forward (a float32 dot of the row with the target's weight row, outside the
+GEMM). Where ``e_j`` underflowed to 0, ``t_j`` is lost, but every term
 left there carries ``p_j < 2**-24`` and vanishes, except label smoothing's ``-smooth_coef * dt_j``: softcap with label
 smoothing keeps the tile path. When the lse is already known (a per-token backward that recomputes the logits), the
 epilogue writes ``g`` itself, with the exact ``dt``. Class weights are not handled here: the engine keeps the tile path
@@ -199,7 +200,6 @@ def _head_gemm_kernel(
     stride_on,
     part_ptr,
     best_ptr,
-    ty_ptr,
     lse_ptr,
     entropy_ptr,
     gl_ptr,
@@ -242,13 +242,18 @@ def _head_gemm_kernel(
     FLATTEN: tl.constexpr,
 ):
     """[BM, BN] tiles of the transformed logits t of x W^T + b, each reduced in the epilogue (see the module docstring).
-    Persistent: each program takes every ``num_programs``-th tile."""
+    Persistent: each program takes every ``num_programs``-th tile of the full column blocks, then of the ragged last
+    one (if V % BN), the only tiles that mask columns."""
     tiles_m = tl.cdiv(N, BM)
     tiles_n = tl.cdiv(V, BN)
+    full_n = V // BN
     # Grouped order: GROUP_M row blocks sweep the vocabulary together, so each W tile is read from L2 that often.
-    per_group = GROUP_M * tiles_n
-    ks = tl.arange(0, BK)
+    per_group = GROUP_M * full_n
     stat_stride = tiles_n * N
+    programs = tl.num_programs(0)
+    x_desc = x_ptr
+    w_desc = w_ptr
+    out_desc = out_ptr
     if USE_TMA:
         # TMA: the copy engine fetches the tiles (out-of-range rows and columns come back as zeros, and a TMA store
         # drops them)
@@ -256,96 +261,158 @@ def _head_gemm_kernel(
         w_desc = tl.make_tensor_descriptor(w_ptr, shape=[V, K], strides=[stride_wv, 1], block_shape=[BN, BK])
         if TMA_OUT:
             out_desc = tl.make_tensor_descriptor(out_ptr, shape=[N, V], strides=[stride_on, 1], block_shape=[BM, BN])
-    for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, tl.num_programs(0), flatten=FLATTEN):
-        pid_m, pid_n, rows, cols, row_ok, col_ok = grouped_tile(tile, tiles_m, per_group, N, V, BM, BN, GROUP_M)
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        if USE_TMA:
-            for k in range(0, K, BK):
-                a = x_desc.load([pid_m * BM, k])
-                b = w_desc.load([pid_n * BN, k])
-                acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PRECISION)
+    full_tiles = tiles_m * full_n
+    # the full column blocks (no column mask), then the ragged last one if V % BN; its tiles go first to the programs
+    # that had one full tile fewer
+    for RAGGED in tl.static_range(2):
+        if RAGGED == 0:
+            start = tl.program_id(0)
+            stop = full_tiles
         else:
-            # Out-of-range rows and columns read row 0 (in bounds); their results are masked at the end.
-            x_ptrs = x_ptr + tl.where(row_ok, rows, 0).to(tl.int64)[:, None] * stride_xn + ks[None, :]
-            w_ptrs = w_ptr + tl.where(col_ok, cols, 0).to(tl.int64)[:, None] * stride_wv + ks[None, :]
-            for k in range(0, K, BK):
-                k_ok = (k + ks) < K
-                a = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
-                b = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
-                if UPCAST:
-                    a = a.to(tl.float32)
-                    b = b.to(tl.float32)
-                acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PRECISION)
-                x_ptrs += BK
-                w_ptrs += BK
-
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        t, dt = _transform(acc, inv_softcap, t_scale, inv_temperature, HAS_SOFTCAP, HAS_TEMPERATURE)
-        y = tl.load(y_ptr + rows, mask=row_ok, other=ignore_index)
-        valid = row_ok & (y != ignore_index)
-        out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_on + cols[None, :]
-        out_mask = row_ok[:, None] & col_ok[None, :]
-        is_y = cols[None, :] == y[:, None]
-
-        if MODE == 2:
-            lse, p_coef, onehot_coef, smooth_coef, g_entropy = _row_coefs(
-                rows,
-                valid,
-                lse_ptr,
-                entropy_ptr,
-                gl_ptr,
-                stride_gl,
-                glp_ptr,
-                stride_glp,
-                ge_ptr,
-                stride_ge,
-                smoothing,
-                smooth_over_v,
-                z_loss,
-                HAS_GL,
-                HAS_GLP,
-                HAS_GE,
-                HAS_SMOOTHING,
-                HAS_ZLOSS,
-            )
-            # ignored rows: exp(-inf) = 0, so nothing overflows against their placeholder lse
-            p = tl.exp(tl.where(valid[:, None], t - lse[:, None], float("-inf")))
-            g = logit_grad(p, t, is_y, p_coef, onehot_coef, g_entropy, HAS_GE) - smooth_coef
-            if HAS_SOFTCAP or HAS_TEMPERATURE:
-                g *= dt
-            if TMA_OUT:
-                out_desc.store([pid_m * BM, pid_n * BN], g.to(out_ptr.dtype.element_ty))
+            start = (tl.program_id(0) + programs - full_tiles % programs) % programs
+            stop = tiles_m * (tiles_n - full_n)
+        for tile in tl.range(start, stop, programs, flatten=FLATTEN):
+            if RAGGED == 0:
+                pid_m, pid_n = grouped_block(tile, tiles_m, per_group, GROUP_M)
             else:
-                tl.store(out_ptrs, g.to(out_ptr.dtype.element_ty), mask=out_mask)
-        else:
-            # The statistics nobody asked for are skipped: with H = 1024 this epilogue costs as much as the mainloop.
-            # (Branching the column mask and t_y out of the tiles that need none made Triton 3.6's pipeliner fail on
-            # the flattened loop.)
-            t = tl.where(col_ok[None, :], t, float("-inf"))
-            m = tl.max(t, 1)
-            e = tl.exp(t - m[:, None])
-            part = part_ptr + pid_n * N + rows
-            tl.store(part, m, mask=row_ok)
-            tl.store(part + stat_stride, tl.sum(e, 1), mask=row_ok)
-            if ENTROPY:
-                t_minus_m = tl.where(col_ok[None, :], t - m[:, None], 0.0)
-                tl.store(part + 2 * stat_stride, tl.sum(e * t_minus_m, 1), mask=row_ok)
-            if SUM_E2:
-                tl.store(part + 3 * stat_stride, tl.sum(e * e, 1), mask=row_ok)
-            if SUM_T:
-                tl.store(part + 4 * stat_stride, tl.sum(tl.where(col_ok[None, :], t, 0.0), 1), mask=row_ok)
-            if TOP1:
-                # the first column holding the tile's max
-                first = tl.min(tl.where(t == m[:, None], cols[None, :], 2147483647), 1)
-                tl.store(best_ptr + pid_n * N + rows, first, mask=row_ok)
-            y_here = valid & (y >= pid_n * BN) & (y < pid_n * BN + BN)
-            tl.store(ty_ptr + rows, tl.sum(tl.where(is_y, t, 0.0), 1), mask=y_here)
-            if MODE == 1:
+                pid_m = tile
+                pid_n = full_n
+            rows = pid_m * BM + tl.arange(0, BM)
+            cols = pid_n * BN + tl.arange(0, BN)
+            row_ok = rows < N
+            col_ok = cols < V
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            if USE_TMA:
+                for k in range(0, K, BK):
+                    a = x_desc.load([pid_m * BM, k])
+                    b = w_desc.load([pid_n * BN, k])
+                    acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PRECISION)
+            else:
+                # Out-of-range rows and columns read row 0 (in bounds); their results are masked at the end.
+                ks = tl.arange(0, BK)
+                x_ptrs = x_ptr + tl.where(row_ok, rows, 0).to(tl.int64)[:, None] * stride_xn + ks[None, :]
+                w_rows = tl.where(col_ok, cols, 0) if RAGGED == 1 else cols
+                w_ptrs = w_ptr + w_rows.to(tl.int64)[:, None] * stride_wv + ks[None, :]
+                for k in range(0, K, BK):
+                    k_ok = (k + ks) < K
+                    a = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
+                    b = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
+                    if UPCAST:
+                        a = a.to(tl.float32)
+                        b = b.to(tl.float32)
+                    acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PRECISION)
+                    x_ptrs += BK
+                    w_ptrs += BK
+
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            t, dt = _transform(acc, inv_softcap, t_scale, inv_temperature, HAS_SOFTCAP, HAS_TEMPERATURE)
+            out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_on + cols[None, :]
+            out_mask = row_ok[:, None] & col_ok[None, :] if RAGGED == 1 else row_ok[:, None]
+
+            if MODE == 2:
+                y = tl.load(y_ptr + rows, mask=row_ok, other=ignore_index)
+                valid = row_ok & (y != ignore_index)
+                lse, p_coef, onehot_coef, smooth_coef, g_entropy = _row_coefs(
+                    rows,
+                    valid,
+                    lse_ptr,
+                    entropy_ptr,
+                    gl_ptr,
+                    stride_gl,
+                    glp_ptr,
+                    stride_glp,
+                    ge_ptr,
+                    stride_ge,
+                    smoothing,
+                    smooth_over_v,
+                    z_loss,
+                    HAS_GL,
+                    HAS_GLP,
+                    HAS_GE,
+                    HAS_SMOOTHING,
+                    HAS_ZLOSS,
+                )
+                # ignored rows: exp(-inf) = 0, so nothing overflows against their placeholder lse
+                p = tl.exp(tl.where(valid[:, None], t - lse[:, None], float("-inf")))
+                is_y = cols[None, :] == y[:, None]
+                g = logit_grad(p, t, is_y, p_coef, onehot_coef, g_entropy, HAS_GE) - smooth_coef
+                if HAS_SOFTCAP or HAS_TEMPERATURE:
+                    g *= dt
                 if TMA_OUT:
-                    out_desc.store([pid_m * BM, pid_n * BN], e.to(tl.float16))
+                    out_desc.store([pid_m * BM, pid_n * BN], g.to(out_ptr.dtype.element_ty))
                 else:
-                    tl.store(out_ptrs, e.to(tl.float16), mask=out_mask)
+                    tl.store(out_ptrs, g.to(out_ptr.dtype.element_ty), mask=out_mask)
+            else:
+                # Only the statistics asked for are computed; the target logit comes from _target_logit_kernel.
+                if RAGGED == 1:
+                    t = tl.where(col_ok[None, :], t, float("-inf"))
+                m = tl.max(t, 1)
+                e = tl.exp(t - m[:, None])
+                part = part_ptr + pid_n * N + rows
+                tl.store(part, m, mask=row_ok)
+                tl.store(part + stat_stride, tl.sum(e, 1), mask=row_ok)
+                if ENTROPY:
+                    t_minus_m = t - m[:, None]
+                    if RAGGED == 1:
+                        t_minus_m = tl.where(col_ok[None, :], t_minus_m, 0.0)
+                    tl.store(part + 2 * stat_stride, tl.sum(e * t_minus_m, 1), mask=row_ok)
+                if SUM_E2:
+                    tl.store(part + 3 * stat_stride, tl.sum(e * e, 1), mask=row_ok)
+                if SUM_T:
+                    t_in = tl.where(col_ok[None, :], t, 0.0) if RAGGED == 1 else t
+                    tl.store(part + 4 * stat_stride, tl.sum(t_in, 1), mask=row_ok)
+                if TOP1:
+                    # the first column holding the tile's max
+                    first = tl.min(tl.where(t == m[:, None], cols[None, :], 2147483647), 1)
+                    tl.store(best_ptr + pid_n * N + rows, first, mask=row_ok)
+                if MODE == 1:
+                    if TMA_OUT:
+                        out_desc.store([pid_m * BM, pid_n * BN], e.to(tl.float16))
+                    else:
+                        tl.store(out_ptrs, e.to(tl.float16), mask=out_mask)
+
+
+@triton.jit
+def _target_logit_kernel(
+    x_ptr,
+    stride_xn,
+    w_ptr,
+    stride_wv,
+    bias_ptr,
+    y_ptr,
+    ty_ptr,
+    N,
+    K,
+    ignore_index,
+    inv_softcap,
+    t_scale,
+    inv_temperature,
+    HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_TEMPERATURE: tl.constexpr,
+    BR: tl.constexpr,
+    BK: tl.constexpr,
+):
+    """The target logit ``t_y = transform(x_n . w_y + b_y)`` of BR rows as a float32 dot (unset at ignored rows): the
+    GEMM's epilogue would pay a compare and a select on every logit for one value per row."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    row_ok = rows < N
+    y = tl.load(y_ptr + rows, mask=row_ok, other=ignore_index)
+    valid = row_ok & (y != ignore_index)
+    y_row = tl.where(valid, y, 0).to(tl.int64)
+    ks = tl.arange(0, BK)
+    acc = tl.zeros((BR, BK), tl.float32)
+    for k in range(0, K, BK):
+        mask = valid[:, None] & ((k + ks) < K)[None, :]
+        a = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xn + (k + ks)[None, :], mask=mask, other=0.0)
+        b = tl.load(w_ptr + y_row[:, None] * stride_wv + (k + ks)[None, :], mask=mask, other=0.0)
+        acc += a.to(tl.float32) * b.to(tl.float32)
+    z = tl.sum(acc, 1)
+    if HAS_BIAS:
+        z += tl.load(bias_ptr + y_row, mask=valid, other=0.0).to(tl.float32)
+    t, _ = _transform(z, inv_softcap, t_scale, inv_temperature, HAS_SOFTCAP, HAS_TEMPERATURE)
+    tl.store(ty_ptr + rows, t, mask=valid)
 
 
 @triton.jit
@@ -419,15 +486,17 @@ def _merge_kernel(
     sum_e = tl.where(valid, sum_e, 1.0)
     log_sum_exp = tl.log(sum_e)
     lse = tl.where(valid, row_max, 0.0) + log_sum_exp
-    t_y = tl.load(ty_ptr + rows, mask=valid, other=0.0)
-    loss = (1.0 - smoothing) * (lse - t_y)
+    # t_y is a separate float32 dot: where the target holds the row max it can come out an ulp above the GEMM's max,
+    # and lse - t_y (>= 0 in exact arithmetic) a rounding error below 0
+    logprob = tl.minimum(tl.load(ty_ptr + rows, mask=valid, other=0.0) - lse, 0.0)
+    loss = -(1.0 - smoothing) * logprob
     if HAS_SMOOTHING:
         loss += smooth_over_v * (V * lse - sum_t)
     if HAS_ZLOSS:
         loss += z_loss * lse * lse
     tl.store(loss_ptr + rows, tl.where(valid, loss, 0.0), mask=row_ok)
     tl.store(lse_ptr + rows, tl.where(valid, lse, 0.0), mask=row_ok)
-    tl.store(logprob_ptr + rows, tl.where(valid, t_y - lse, 0.0), mask=row_ok)
+    tl.store(logprob_ptr + rows, tl.where(valid, logprob, 0.0), mask=row_ok)
     # statistics not computed are written as 0
     entropy = tl.zeros((BR,), tl.float32)
     if ENTROPY:
@@ -606,7 +675,7 @@ def _t_scale(params: TileParams) -> float:
     return 0.0 if params.softcap is None else params.softcap * params.inv_temperature
 
 
-def _gemm(x, weight, bias, target, params, mode, out, partials, best, t_y, lse, entropy, upstream):
+def _gemm(x, weight, bias, target, params, mode, out, partials, best, lse, entropy, upstream):
     n, k = x.shape
     use_tma = _tma_usable(x, weight)
     if use_tma:
@@ -629,7 +698,6 @@ def _gemm(x, weight, bias, target, params, mode, out, partials, best, t_y, lse, 
         0 if out is None else out.stride(0),
         spare if partials is None else partials,
         spare if best is None else best,
-        spare if t_y is None else t_y,
         spare if lse is None else lse,
         spare if entropy is None else entropy,
         *_vectors(upstream, spare),
@@ -652,6 +720,31 @@ def _gemm(x, weight, bias, target, params, mode, out, partials, best, t_y, lse, 
         TMA_OUT=use_tma and out is not None and out.element_size() == 2 and _tma_aligned(out),
         **_option_flags(params, (None, None, None) if mode != MODE_GRAD else upstream),
         **_stat_flags(params, wanted=mode != MODE_GRAD),
+    )
+
+
+def _target_logits(x, weight, bias, target, params, t_y):
+    br = 16
+    _target_logit_kernel[(triton.cdiv(x.shape[0], br),)](
+        x,
+        x.stride(0),
+        weight,
+        weight.stride(0),
+        t_y if bias is None else bias,
+        target,
+        t_y,
+        x.shape[0],
+        x.shape[1],
+        params.ignore_index,
+        0.0 if params.softcap is None else 1.0 / params.softcap,
+        _t_scale(params),
+        params.inv_temperature,
+        HAS_BIAS=bias is not None,
+        HAS_SOFTCAP=params.softcap is not None,
+        HAS_TEMPERATURE=params.inv_temperature != 1.0,
+        BR=br,
+        BK=128,
+        num_warps=4,
     )
 
 
@@ -682,7 +775,8 @@ def forward(
     t_y = torch.empty(n, **f32)
     e = torch.empty(n, vocab, dtype=torch.float16, device=dev) if keep else None
     with TritonTileOps._device_guard(dev):
-        _gemm(x, weight, bias, target, params, mode, e, partials, best, t_y, None, None, (None, None, None))
+        _gemm(x, weight, bias, target, params, mode, e, partials, best, None, None, (None, None, None))
+        _target_logits(x, weight, bias, target, params, t_y)
         # the partials' layout follows the tile width the autotuner picked for this launch
         tile_n = _head_gemm_kernel.best_config.kwargs["BN"]
         n_tiles = triton.cdiv(vocab, tile_n)
@@ -790,7 +884,6 @@ def recompute_gradient(
                 params,
                 MODE_GRAD,
                 out,
-                None,
                 None,
                 None,
                 lse,
