@@ -13,12 +13,16 @@
 5. ``epilogue``: the logits GEMM with the softmax in its epilogue (``backends/triton_gemm.py``) against cuBLAS at
    the same shape (statistics only, statistics + stored e, gradient pass, gradient from the epilogue, the autotuned
    tile), and the engine with it on and off: fwd+bwd, no-grad forward and the per-token path, each ÷ its floor.
+6. ``hopper``: the warp-specialized Hopper kernel of that GEMM (``backends/hopper_head.py``) against the Triton kernel
+   and cuBLAS (statistics only, + stored e; operand rings of 4-6 stages), and the engine with it on and off
+   (``HF_FLCE_HOPPER_HEAD``); gemma2-2b with its softcap of 30.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -29,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_common import Device, median  # noqa: E402
 
 import hf_flce  # noqa: E402
-from hf_flce.backends import resolve_backend, triton_gemm  # noqa: E402
+from hf_flce.backends import hopper_head, resolve_backend, triton_gemm  # noqa: E402
 from hf_flce.backends.base import TileParams  # noqa: E402
 from hf_flce.backends.triton_tiles import TritonTileOps, launch_config  # noqa: E402
 from hf_flce.engine import plan_chunk_rows  # noqa: E402
@@ -178,6 +182,21 @@ def tile_sweep(vocab: int, rows: int) -> list[dict]:
     return out
 
 
+def _kernel_ms(fn) -> dict[str, float]:
+    """CUDA time per kernel name (ms) of one call of ``fn`` under torch.profiler (after one untimed call)."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    times: dict[str, float] = {}
+    for evt in prof.key_averages():
+        us = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0)
+        if us:
+            times[evt.key] = times.get(evt.key, 0.0) + us / 1e3
+    return times
+
+
 def kernel_breakdown(name: str) -> dict:
     n, h, v = SHAPES[name]
     x, w, y = inputs(n, h, v)
@@ -186,17 +205,9 @@ def kernel_breakdown(name: str) -> dict:
         loss = hf_flce.fused_linear_cross_entropy(x, w, y)
         return torch.autograd.grad(loss, (x, w))
 
-    step()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
     families: dict[str, float] = {}
-    for evt in prof.key_averages():
-        us = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0)
-        if not us:
-            continue
-        key = evt.key.lower()
+    for name_, ms in _kernel_ms(step).items():
+        key = name_.lower()
         family = (
             "gemm"
             if any(s in key for s in ("gemm", "cutlass", "sm90", "xmma", "nvjet"))
@@ -208,9 +219,9 @@ def kernel_breakdown(name: str) -> dict:
             if "_grad_from_e" in key
             else "merge"
             if "_merge_kernel" in key
-            else "other: " + evt.key[:60]
+            else "other: " + name_[:60]
         )
-        families[family] = families.get(family, 0.0) + us / 1e3
+        families[family] = families.get(family, 0.0) + ms
     top = dict(sorted(families.items(), key=lambda kv: -kv[1])[:12])
     print(f"{name:>11} kernels (ms): " + ", ".join(f"{k} {t:.2f}" for k, t in top.items()), flush=True)
     return dict(shape=name, ms_by_family=top)
@@ -314,6 +325,90 @@ def epilogue(name: str) -> dict:
     return row
 
 
+def _interleaved_ms(fns: dict, reps: int = 7) -> dict[str, float]:
+    """Median ms of each of ``fns``, timed in turns (one call of each per round), so that clock drift over the run
+    falls on all of them alike."""
+    dev = Device("cuda")
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for fn in fns.values():
+        dev.time_ms(fn, 2, 1)
+    for _ in range(reps):
+        for k, fn in fns.items():
+            times[k] += dev.time_ms(fn, 0, 1)
+    return {k: median(t) for k, t in times.items()}
+
+
+def _with_hopper_head(switch: str, fn):
+    def call():
+        saved = os.environ.get("HF_FLCE_HOPPER_HEAD")
+        os.environ["HF_FLCE_HOPPER_HEAD"] = switch
+        try:
+            return fn()
+        finally:
+            if saved is None:
+                os.environ.pop("HF_FLCE_HOPPER_HEAD", None)
+            else:
+                os.environ["HF_FLCE_HOPPER_HEAD"] = saved
+
+    return call
+
+
+def hopper(name: str) -> dict:
+    """The warp-specialized logits GEMM against the Triton kernel and cuBLAS, and the engine with it on and off."""
+    n, h, v = SHAPES[name]
+    softcap = 30.0 if name == "gemma2-2b" else None
+    x, w, y = inputs(n, h, v)
+    xd, wd = x.detach(), w.detach()
+    params = TileParams(v, -100, 0.0, 0.0, softcap, 1.0, None, None)
+    partials = torch.empty(5 * -(-v // hopper_head.BN) * n, device="cuda")
+    e = hopper_head.empty_e(n, v, x.device)
+    kernels = {"cublas": lambda: torch.mm(xd, wd.T)}
+    for stages in (3, 4):
+        kernels[f"stats_{stages}_stages"] = lambda s=stages: hopper_head.statistics(xd, wd, params, partials, None, s)
+        kernels[f"keep_{stages}_stages"] = lambda s=stages: hopper_head.statistics(xd, wd, params, partials, e, s)
+    kernel_ms = _interleaved_ms(kernels)
+    one = kernel_ms["cublas"]
+    row = dict(shape=name, n=n, h=h, v=v, softcap=softcap, gemm_ms=one, floor_ms=floor_ms(n, h, v))
+    row.update({f"kernel_{k}": t / one for k, t in kernel_ms.items() if k != "cublas"})
+    e = None  # freed before the engine runs
+    g = torch.randn(n, device="cuda")
+    opts = dict(softcap=softcap)
+
+    def fwd_bwd():
+        return torch.autograd.grad(hf_flce.fused_linear_cross_entropy(x, w, y, **opts), (x, w))
+
+    def pertoken():
+        loss, stats = hf_flce.fused_linear_cross_entropy(x, w, y, reduction="none", return_stats=True, **opts)
+        return torch.autograd.grad((loss * g).sum() + (stats.logprobs * g).sum(), (x, w))
+
+    def no_grad():
+        with torch.no_grad():
+            hf_flce.fused_linear_cross_entropy(x, w, y, **opts)
+
+    calls = dict(
+        stats=(lambda: triton_gemm.forward(xd, wd, None, y, params, keep=False), one),
+        keep=(lambda: triton_gemm.forward(xd, wd, None, y, params, keep=True), one),
+        no_grad=(no_grad, one),
+        fwd_bwd=(fwd_bwd, row["floor_ms"]),
+        pertoken=(pertoken, row["floor_ms"]),
+    )
+    for what, (fn, unit) in calls.items():
+        both = {label: _with_hopper_head(switch, fn) for label, switch in (("ws", "1"), ("triton", "0"))}
+        for label, ms in _interleaved_ms(both, reps=5).items():
+            row[f"{label}_{what}"] = ms / unit
+        torch.cuda.empty_cache()
+    for what in ("keep", "no_grad", "fwd_bwd"):
+        for label, switch in (("ws", "1"), ("triton", "0")):
+            top = sorted(_kernel_ms(_with_hopper_head(switch, calls[what][0])).items(), key=lambda kv: -kv[1])[:6]
+            row[f"kernels_{label}_{what}"] = {k[:80]: round(ms, 3) for k, ms in top}
+        torch.cuda.empty_cache()
+    print(name, " ".join(f"{k}={val:.3f}" for k, val in row.items() if isinstance(val, float)), flush=True)
+    for k, val in row.items():
+        if k.startswith("kernels_"):
+            print("  ", k, val, flush=True)
+    return row
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="outputs/profile")
@@ -332,6 +427,7 @@ def main() -> None:
         kernels=[],
         sweep=[],
         epilogue=[],
+        hopper=[],
     )
     for name in args.shapes.split(","):
         if "budget" in sections:
@@ -344,6 +440,8 @@ def main() -> None:
             if not result["epilogue"]:
                 _check_tma()
             result["epilogue"].append(epilogue(name))
+        if "hopper" in sections:
+            result["hopper"].append(hopper(name))
         torch.cuda.empty_cache()
     if "sweep" in sections:
         for vocab in (128256, 151936):

@@ -1,15 +1,10 @@
 """The residual dW GEMM of ``triton_dw`` as a warp-specialized Hopper kernel (Gluon; CUDA, compute capability 9.x).
 
 ``triton_dw``'s Triton GEMM adds each chunk's ``G_c^T X_c`` into the bf16 gradient ``hi`` plus an int8 residual ``lo``
-in its epilogue, and nothing overlaps that epilogue with the next tile's mainloop: 1.5-1.7x cuBLAS per chunk. This
-kernel gives each program three partitions that run concurrently:
-
-- a loader warp that streams the ``G`` and ``X`` tiles of every K step through one ring of shared-memory stages,
-  in the program's tile order;
-- two consumer warpgroups that take the program's tiles in turn (even, odd). Because the ring is filled in tile order,
-  consumer 1's operands arrive as consumer 0's mainloop ends, so one runs its tensor-core mainloop while the other
-  runs its epilogue (the "ping-pong" schedule of CUTLASS's Hopper kernels). Each consumer fetches its tile's ``hi``/``lo``
-  by TMA when the tile starts, so the epilogue finds them in shared memory.
+in its epilogue, and nothing overlaps that epilogue with the next tile's mainloop: 1.5-1.7x cuBLAS per chunk. Here
+the ping-pong skeleton of ``hopper_pingpong`` runs it: a loader warp streams the ``G`` and ``X`` tiles, and two
+consumer warpgroups take the tiles in turn, so one consumer's epilogue runs under the other's mainloop. Each consumer
+fetches its tile's ``hi``/``lo`` by TMA when the tile starts, so the epilogue finds them in shared memory.
 
 The arithmetic of the epilogue is ``triton_dw``'s (the same jit functions).
 """
@@ -19,21 +14,15 @@ from __future__ import annotations
 import torch
 import triton
 
-from . import triton_dw, triton_gemm
+from . import hopper_pingpong, triton_dw, triton_gemm
 
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared,
-        mbarrier,
-        tma,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    AVAILABLE = True
+    AVAILABLE = hopper_pingpong.AVAILABLE
 except ImportError:  # Triton without Gluon's Hopper API
     AVAILABLE = False
 
@@ -42,7 +31,7 @@ BM, BN, BK = 128, 128, 64
 if AVAILABLE:
     _residual_unit = gluon.jit(triton_dw._residual_unit.fn)
     _round_to_bf16 = gluon.jit(triton_dw._round_to_bf16.fn)
-    _grouped_block = gluon.jit(triton_gemm.grouped_block.fn)
+    _grouped_block = hopper_pingpong.grouped_block
 
     @gluon.jit
     def _split_columns(x, SPLIT: gl.constexpr):
@@ -81,30 +70,6 @@ if AVAILABLE:
             lo_smem.store(gl.minimum(gl.maximum(q, -127.0), 127.0).to(gl.int8))
 
     @gluon.jit
-    def _load_partition(g_desc, x_desc, a_bufs, b_bufs, ready, empty, M, N, K, GROUP_M: gl.constexpr):
-        """The loader warp: ``G`` and ``X`` tiles of every K step of every tile of this program, in order."""
-        STAGES: gl.constexpr = a_bufs.type.shape[0]
-        BK: gl.constexpr = g_desc.block_type.shape[0]
-        BM: gl.constexpr = g_desc.block_type.shape[1]
-        BN: gl.constexpr = x_desc.block_type.shape[1]
-        tiles_m = gl.cdiv(M, BM)
-        k_steps = gl.cdiv(K, BK)
-        per_group = GROUP_M * gl.cdiv(N, BN)
-        step_bytes: gl.constexpr = g_desc.block_type.nbytes + x_desc.block_type.nbytes
-        step = 0
-        for tile in range(gl.program_id(0), tiles_m * gl.cdiv(N, BN), gl.num_programs(0)):
-            pid_m, pid_n = _grouped_block(tile, tiles_m, per_group, GROUP_M)
-            for k in range(k_steps):
-                stage = step % STAGES
-                # a stage's empty barrier starts out completed (phase 1): the first pass through the ring waits for
-                # nothing
-                mbarrier.wait(empty.index(stage), ((step // STAGES) & 1) ^ 1)
-                mbarrier.expect(ready.index(stage), step_bytes)
-                tma.async_copy_global_to_shared(g_desc, [k * BK, pid_m * BM], ready.index(stage), a_bufs.index(stage))
-                tma.async_copy_global_to_shared(x_desc, [k * BK, pid_n * BN], ready.index(stage), b_bufs.index(stage))
-                step += 1
-
-    @gluon.jit
     def _consumer_partition(
         mainloop,
         epilogue,
@@ -120,14 +85,10 @@ if AVAILABLE:
         g_desc, a_bufs, b_bufs, ready, empty, turn = mainloop
         hi_desc, lo_desc, hi_bufs, lo_bufs, epi = epilogue
         M, N, K, GROUP_M = sizes
-        STAGES: gl.constexpr = a_bufs.type.shape[0]
         BK: gl.constexpr = g_desc.block_type.shape[0]
         BM: gl.constexpr = hi_desc.block_type.shape[0]
         BN: gl.constexpr = hi_desc.block_type.shape[1]
-        # one warpgroup, tensor-core instructions 16 x BN x 16
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16]
-        )
+        acc_layout: gl.constexpr = hopper_pingpong.accumulator_layout(BN)
         hi_smem = hi_bufs.index(WHICH)
         lo_smem = lo_bufs.index(WHICH)
         epi_bar = epi.index(WHICH)
@@ -149,27 +110,8 @@ if AVAILABLE:
                 tma.async_copy_global_to_shared(hi_desc, [off_m, off_n], epi_bar, hi_smem)
                 tma.async_copy_global_to_shared(lo_desc, [off_m, off_n], epi_bar, lo_smem)
 
-            # The mainloops take turns: this one starts when the other consumer's previous one has ended. Besides
-            # giving the tensor cores to one warpgroup at a time, this keeps every wait on a stage's barrier within
-            # one phase of it (an mbarrier's parity cannot tell phase k from phase k - 2).
-            if WHICH == 0:
-                mbarrier.wait(turn.index(1), (mine - 1) & 1, pred=mine > 0)
-            else:
-                mbarrier.wait(turn.index(0), mine & 1)
-            # this tile's K steps sit at ring positions (2 mine + WHICH) k_steps + k
-            step = (2 * mine + WHICH) * k_steps
             acc = gl.zeros([BM, BN], gl.float32, acc_layout)
-            for k in range(k_steps):
-                stage = step % STAGES
-                mbarrier.wait(ready.index(stage), (step // STAGES) & 1)
-                acc = warpgroup_mma(a_bufs.index(stage).permute((1, 0)), b_bufs.index(stage), acc, is_async=True)
-                # at most one MMA in flight: the previous step's is done, so its stage goes back to the loader
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-                mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=k > 0)
-                step += 1
-            mbarrier.arrive(turn.index(WHICH))
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES))
+            acc = hopper_pingpong.mainloop(a_bufs, b_bufs, ready, empty, turn, acc, k_steps, mine, False, False, WHICH)
 
             # the epilogue in column slices: a whole tile of hi and lo next to the accumulator would spill
             if not FIRST:
@@ -204,20 +146,12 @@ if AVAILABLE:
         SPLIT: gl.constexpr,
     ):
         """``(hi, lo) += g^T x`` for ``g`` ``[K, M]`` and ``x`` ``[K, N]`` (see ``triton_dw._dw_accumulate_kernel``)."""
-        a_bufs = gl.allocate_shared_memory(g_desc.dtype, [STAGES] + g_desc.block_type.shape, g_desc.layout)
-        b_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
+        a_bufs, b_bufs, ready, empty, turn = hopper_pingpong.allocate_ring(g_desc, x_desc, STAGES)
         hi_bufs = gl.allocate_shared_memory(hi_desc.dtype, [2] + hi_desc.block_type.shape, hi_desc.layout)
         lo_bufs = gl.allocate_shared_memory(lo_desc.dtype, [2] + lo_desc.block_type.shape, lo_desc.layout)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         epi = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=1)
         for i in gl.static_range(2):
             mbarrier.init(epi.index(i), count=1)
-            mbarrier.init(turn.index(i), count=1)
         mainloop = (g_desc, a_bufs, b_bufs, ready, empty, turn)
         epilogue = (hi_desc, lo_desc, hi_bufs, lo_bufs, epi)
         sizes = (M, N, K, GROUP_M)
@@ -225,7 +159,10 @@ if AVAILABLE:
             [
                 (_consumer_partition, (mainloop, epilogue, sizes, FIRST, LAST, MANT, MIN_EXP, SPLIT, 0)),
                 (_consumer_partition, (mainloop, epilogue, sizes, FIRST, LAST, MANT, MIN_EXP, SPLIT, 1)),
-                (_load_partition, (g_desc, x_desc, a_bufs, b_bufs, ready, empty, M, N, K, GROUP_M)),
+                (
+                    hopper_pingpong.load_partition,
+                    (g_desc, x_desc, a_bufs, b_bufs, ready, empty, M, N, K, GROUP_M, False, False),
+                ),
             ],
             [4, 1],
             [232, 40],

@@ -761,6 +761,7 @@ def forward(
     n, vocab = x.shape[0], params.vocab
     dev = x.device
     f32 = dict(dtype=torch.float32, device=dev)
+    f16 = dict(dtype=torch.float16, device=dev)
     loss, lse, logprob, entropy, mean_logit, lssp = (torch.empty(n, **f32) for _ in range(6))
     is_top1 = torch.empty(n, dtype=torch.bool, device=dev)
     stats = TileStats(loss, lse, logprob, entropy, is_top1, mean_logit, lssp)
@@ -773,12 +774,21 @@ def forward(
     partials = torch.empty(_N_STATS * max_tiles * n, **f32)
     best = torch.empty(max_tiles * n, dtype=torch.int32, device=dev)
     t_y = torch.empty(n, **f32)
-    e = torch.empty(n, vocab, dtype=torch.float16, device=dev) if keep else None
+    from . import hopper_head  # builds on this module's jit functions
+
+    warp_specialized = hopper_head.supports(x, weight, bias, params, _stat_flags(params))
+    e = None
+    if keep:
+        e = hopper_head.empty_e(n, vocab, dev) if warp_specialized else torch.empty(n, vocab, **f16)
     with TritonTileOps._device_guard(dev):
-        _gemm(x, weight, bias, target, params, mode, e, partials, best, None, None, (None, None, None))
+        if warp_specialized:
+            hopper_head.statistics(x, weight, params, partials, e)
+            tile_n = hopper_head.BN
+        else:
+            _gemm(x, weight, bias, target, params, mode, e, partials, best, None, None, (None, None, None))
+            # the partials' layout follows the tile width the autotuner picked for this launch
+            tile_n = _head_gemm_kernel.best_config.kwargs["BN"]
         _target_logits(x, weight, bias, target, params, t_y)
-        # the partials' layout follows the tile width the autotuner picked for this launch
-        tile_n = _head_gemm_kernel.best_config.kwargs["BN"]
         n_tiles = triton.cdiv(vocab, tile_n)
         br = 32
         _merge_kernel[(triton.cdiv(n, br),)](
