@@ -2,9 +2,8 @@
 
 The default on Hopper and newer GPUs (``HF_FLCE_GEMM_EPILOGUE=0`` switches it off, ``=1`` uses it on every GPU).
 Persistent programs walk the tiles with the tile loop flattened into the K loop, so the next tile's loads overlap this
-tile's epilogue. On an H200 the statistics GEMM runs at 1.07x (llama3-8b) to 1.41x (qwen3-0.6b) cuBLAS, and the
-engine's fwd+bwd at 1.01x (llama3-8b) and 1.09x (qwen2.5-7b) the 3-GEMM floor; where the logits fit one chunk either
-way (mistral-7b) it is slower than the tile path (docs/PERF_NOTES.md, v6).
+tile's epilogue. On an H200 the engine's fwd+bwd runs at 1.03-1.09x the 3-GEMM floor for H >= 3584 and 1.21-1.30x for
+thin H (qwen3-0.6b, gemma2-2b), where the per-logit epilogue decides (docs/PERF_NOTES.md, v6 and v10).
 
 The tile path (``triton_tiles``) has cuBLAS write float32 logits and reads them back twice: 12 bytes per logit more
 than the floor's bf16 GEMM. Here each ``[BM, BN]`` tile of ``t``, the logits ``z = x W^T + b`` after softcap and
