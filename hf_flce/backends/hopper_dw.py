@@ -12,19 +12,12 @@ The arithmetic of the epilogue is ``triton_dw``'s (the same jit functions).
 from __future__ import annotations
 
 import torch
-import triton
 
-from . import hopper_pingpong, triton_dw, triton_gemm
+from . import hopper_pingpong, triton_dw
 
-try:
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    AVAILABLE = hopper_pingpong.AVAILABLE
-except ImportError:  # Triton without Gluon's Hopper API
-    AVAILABLE = False
+AVAILABLE = hopper_pingpong.AVAILABLE
+if AVAILABLE:
+    from .hopper_pingpong import fence_async_shared, gl, gluon, mbarrier, tma
 
 BM, BN, BK = 128, 128, 64
 
@@ -173,17 +166,13 @@ def supports(grad_logits: torch.Tensor, x_chunk: torch.Tensor, hi: torch.Tensor)
     """Whether this kernel can take the chunk: Gluon present, a Hopper GPU, 16-bit operands of ``hi``'s dtype, and
     rows that TMA can address (16-byte aligned bases and row strides, unit column strides, for ``hi`` and for an int8
     residual of its shape)."""
-    if not AVAILABLE or hi.device.type != "cuda" or torch.cuda.get_device_capability(hi.device)[0] != 9:
-        return False
     tensors = (grad_logits, x_chunk, hi)
     return (
         grad_logits.shape[0] > 0
         and hi.shape[1] % 16 == 0  # the int8 residual's rows, 16-byte aligned for TMA
         and all(t.dtype == hi.dtype for t in tensors)
         and hi.dtype in (torch.bfloat16, torch.float16)
-        and all(
-            t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in tensors
-        )
+        and hopper_pingpong.usable(*tensors)
     )
 
 
@@ -202,21 +191,15 @@ def accumulate(
     ``first and last``. Only where ``supports`` holds."""
     rows, m = grad_logits.shape
     n = x_chunk.shape[1]
-    dtype = gl.bfloat16 if hi.dtype == torch.bfloat16 else gl.float16
     if lo is None:  # one chunk: lo is never read or written, but its descriptor has the tile's shape
         lo = torch.empty((BM, BN), dtype=torch.int8, device=hi.device)
-
-    def desc(t, block, elem):
-        return TensorDescriptor(
-            t, list(t.shape), list(t.stride()), block, gl.NVMMASharedLayout.get_default_for(block, elem)
-        )
-
-    g_desc = desc(grad_logits, [BK, BM], dtype)
-    x_desc = desc(x_chunk, [BK, BN], dtype)
-    hi_desc = desc(hi, [BM, BN], dtype)
-    lo_desc = desc(lo, [BM, BN], gl.int8)
+    desc = hopper_pingpong.descriptor
+    g_desc = desc(grad_logits, [BK, BM])
+    x_desc = desc(x_chunk, [BK, BN])
+    hi_desc = desc(hi, [BM, BN])
+    lo_desc = desc(lo, [BM, BN])
     mant, min_exp = triton_dw._FORMAT[hi.dtype]
-    programs = min(triton_gemm._program_limit(hi.device), triton.cdiv(m, BM) * triton.cdiv(n, BN))
+    programs = hopper_pingpong.programs(hi.device, m, n, BM, BN)
     with torch.cuda.device(hi.device):
         _dw_pingpong_kernel[(programs,)](
             g_desc,

@@ -21,18 +21,12 @@ import os
 import torch
 import triton
 
-from . import hopper_pingpong, triton_tiles
+from . import hopper_pingpong, triton_gemm, triton_tiles
 from .base import TileParams
 
-try:
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, tma
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    AVAILABLE = hopper_pingpong.AVAILABLE
-except ImportError:  # Triton without Gluon's Hopper API
-    AVAILABLE = False
+AVAILABLE = hopper_pingpong.AVAILABLE
+if AVAILABLE:
+    from .hopper_pingpong import fence_async_shared, gl, gluon, tma
 
 BM, BN, BK = 128, 128, 64
 
@@ -130,26 +124,19 @@ if AVAILABLE:
         )
 
 
-def _tma_rows(t: torch.Tensor) -> bool:
-    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
-
-
 def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, params: TileParams, stat_flags) -> bool:
     """Whether this kernel takes a statistics-mode call of ``triton_gemm``: switched on (``HF_FLCE_HOPPER_HEAD=1``),
     Gluon present, a Hopper GPU, 16-bit operands of one dtype whose rows TMA can address, no bias, no softcap and no
     optional statistics (``stat_flags``, from ``triton_gemm._stat_flags``)."""
-    if os.environ.get("HF_FLCE_HOPPER_HEAD", "0") != "1" or not AVAILABLE or x.device.type != "cuda":
-        return False
     return (
-        torch.cuda.get_device_capability(x.device)[0] == 9
+        os.environ.get("HF_FLCE_HOPPER_HEAD", "0") == "1"
         and x.shape[0] > 0
         and x.dtype in (torch.bfloat16, torch.float16)
         and weight.dtype == x.dtype
         and bias is None
         and params.softcap is None
         and not any(stat_flags.values())
-        and _tma_rows(x)
-        and _tma_rows(weight)
+        and hopper_pingpong.usable(x, weight)
     )
 
 
@@ -172,29 +159,20 @@ def statistics(
     measured best on an H200, against 5 and 6)."""
     n, k = x.shape
     vocab = params.vocab
-    dtype = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
-
-    def desc(t, block, elem):
-        return TensorDescriptor(
-            t, list(t.shape), list(t.stride()), block, gl.NVMMASharedLayout.get_default_for(block, elem)
-        )
-
     keep = e is not None
     if e is None:  # never read or written, but the descriptor has the tile's shape
         e = torch.empty((BM, BN), dtype=torch.float16, device=x.device)
-    programs = min(triton_tiles.sm_count(x.device), triton.cdiv(n, BM) * triton.cdiv(vocab, BN))
+    desc = hopper_pingpong.descriptor
     with torch.cuda.device(x.device):
-        _head_pingpong_kernel[(programs,)](
-            desc(x, [BM, BK], dtype),
-            desc(weight, [BN, BK], dtype),
-            desc(e, [BM, BN], gl.float16),
+        _head_pingpong_kernel[(hopper_pingpong.programs(x.device, n, vocab, BM, BN),)](
+            desc(x, [BM, BK]),
+            desc(weight, [BN, BK]),
+            desc(e, [BM, BN]),
             partials,
             n,
             vocab,
             k,
-            0.0 if params.softcap is None else 1.0 / params.softcap,
-            0.0 if params.softcap is None else params.softcap * params.inv_temperature,
-            params.inv_temperature,
+            *triton_gemm.transform_args(params),
             KEEP=keep,
             HAS_SOFTCAP=params.softcap is not None,
             HAS_TEMPERATURE=params.inv_temperature != 1.0,

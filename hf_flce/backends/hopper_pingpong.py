@@ -15,19 +15,64 @@ An operand is "K-major" when its tile is stored ``[rows, K]`` (the logits GEMM's
 
 from __future__ import annotations
 
+import torch
+import triton
+
 from . import triton_gemm
 
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     AVAILABLE = True
 except ImportError:  # Triton without Gluon's Hopper API
     AVAILABLE = False
 
+__all__ = ["AVAILABLE", "fence_async_shared", "gl", "gluon", "mbarrier", "tma"]
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    """Gluon present, the tensors on one Hopper GPU, each with rows TMA can address."""
+    device = tensors[0].device
+    return (
+        AVAILABLE
+        and device.type == "cuda"
+        and torch.cuda.get_device_capability(device)[0] == 9
+        and all(t.device == device and triton_gemm._tma_aligned(t) for t in tensors)
+    )
+
+
+def descriptor(t: torch.Tensor, block: list[int]):
+    """A host-side TMA descriptor of ``t`` (bf16, fp16 or int8) for ``block``-shaped tiles, with the default
+    shared-memory layout."""
+    elem = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.int8: gl.int8}[t.dtype]
+    layout = gl.NVMMASharedLayout.get_default_for(block, elem)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
+def programs(device: torch.device, m: int, n: int, bm: int, bn: int) -> int:
+    """Persistent grid: one program per SM, at most one per ``[bm, bn]`` tile of an ``[m, n]`` output."""
+    return min(triton_gemm._program_limit(device), triton.cdiv(m, bm) * triton.cdiv(n, bn))
+
+
 if AVAILABLE:
     grouped_block = gluon.jit(triton_gemm.grouped_block.fn)
+
+    @gluon.jit
+    def _fetch(desc, offset, k, bar, buf, K_MAJOR: gl.constexpr):
+        """TMA copy of the tile at ``offset`` (rows of the output) and ``k`` into ``buf``, signalling ``bar``."""
+        if K_MAJOR:
+            tma.async_copy_global_to_shared(desc, [offset, k], bar, buf)
+        else:
+            tma.async_copy_global_to_shared(desc, [k, offset], bar, buf)
 
     @gluon.jit
     def load_partition(
@@ -63,22 +108,8 @@ if AVAILABLE:
                 # nothing
                 mbarrier.wait(empty.index(stage), ((step // STAGES) & 1) ^ 1)
                 mbarrier.expect(ready.index(stage), step_bytes)
-                if A_K_MAJOR:
-                    tma.async_copy_global_to_shared(
-                        a_desc, [pid_m * BM, k * BK], ready.index(stage), a_bufs.index(stage)
-                    )
-                else:
-                    tma.async_copy_global_to_shared(
-                        a_desc, [k * BK, pid_m * BM], ready.index(stage), a_bufs.index(stage)
-                    )
-                if B_K_MAJOR:
-                    tma.async_copy_global_to_shared(
-                        b_desc, [pid_n * BN, k * BK], ready.index(stage), b_bufs.index(stage)
-                    )
-                else:
-                    tma.async_copy_global_to_shared(
-                        b_desc, [k * BK, pid_n * BN], ready.index(stage), b_bufs.index(stage)
-                    )
+                _fetch(a_desc, pid_m * BM, k * BK, ready.index(stage), a_bufs.index(stage), A_K_MAJOR)
+                _fetch(b_desc, pid_n * BN, k * BK, ready.index(stage), b_bufs.index(stage), B_K_MAJOR)
                 step += 1
 
     @gluon.jit

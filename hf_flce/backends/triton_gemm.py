@@ -674,6 +674,11 @@ def _t_scale(params: TileParams) -> float:
     return 0.0 if params.softcap is None else params.softcap * params.inv_temperature
 
 
+def transform_args(params: TileParams) -> tuple[float, float, float]:
+    """The kernels' ``inv_softcap, t_scale, inv_temperature`` arguments (``triton_tiles._transform``)."""
+    return 0.0 if params.softcap is None else 1.0 / params.softcap, _t_scale(params), params.inv_temperature
+
+
 def _gemm(x, weight, bias, target, params, mode, out, partials, best, lse, entropy, upstream):
     n, k = x.shape
     use_tma = _tma_usable(x, weight)
@@ -704,9 +709,7 @@ def _gemm(x, weight, bias, target, params, mode, out, partials, best, lse, entro
         params.vocab,
         k,
         params.ignore_index,
-        0.0 if params.softcap is None else 1.0 / params.softcap,
-        _t_scale(params),
-        params.inv_temperature,
+        *transform_args(params),
         params.label_smoothing,
         params.label_smoothing / params.vocab,
         params.z_loss,
@@ -735,9 +738,7 @@ def _target_logits(x, weight, bias, target, params, t_y):
         x.shape[0],
         x.shape[1],
         params.ignore_index,
-        0.0 if params.softcap is None else 1.0 / params.softcap,
-        _t_scale(params),
-        params.inv_temperature,
+        *transform_args(params),
         HAS_BIAS=bias is not None,
         HAS_SOFTCAP=params.softcap is not None,
         HAS_TEMPERATURE=params.inv_temperature != 1.0,
