@@ -45,7 +45,7 @@ def loss_denominator(valid_rows_weight, opts: FLCEOptions, num_items_in_batch, d
     else:
         return None
     # Nothing to average over (every label ignored): the sum is 0 and so is the loss, not NaN.
-    return torch.where(den == 0, torch.ones_like(den), den)
+    return torch.where(den == 0, 1.0, den)
 
 
 # torch.compile runs the op eagerly (one graph break): its chunk loop sizes GEMMs from the data, which a traced graph
@@ -150,7 +150,7 @@ def fused_linear_cross_entropy(
         cw_sum = cw.sum()
         valid_weight = torch.where(valid, cw[torch.where(valid, y, 0).clamp(0, vocab - 1)], 0.0).sum()
     else:
-        valid_weight = valid.sum().to(torch.float32)
+        valid_weight = valid.sum(dtype=torch.float32)
     params = TileParams(
         vocab=vocab,
         ignore_index=opts.ignore_index,
@@ -171,6 +171,7 @@ def fused_linear_cross_entropy(
         grad_mode=torch.is_grad_enabled(),
         compute_dtype=compute_dtype,
         prob_weighted=prob_weighted,
+        want_stats=wanted_stats is not None,
     )
     with torch.autocast(x.device.type, enabled=False):
         loss, logprobs, entropy, lse, is_top1, mean_logit, log_sum_sq_probs = FusedLinearCrossEntropyFunction.apply(

@@ -41,7 +41,7 @@ from torch import nn
 from .api import FLCEStats, fused_linear_cross_entropy, loss_denominator
 from .backends.base import TileParams
 from .backends.torch_tiles import TorchTileOps
-from .engine import _chunks, _GradBuffers, _scatter_rows, check_target_range, compute_logits
+from .engine import _chunks, _GradBuffers, _scatter_rows, compute_logits, kept_rows
 from .options import FLCEOptions, check_num_items, check_tensors, stats_request
 
 try:
@@ -183,10 +183,11 @@ class _VocabParallelFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, target, plan: _VPPlan):
         ctx.set_materialize_grads(False)
         n, local_vocab = x.shape[0], weight.shape[0]
-        check_target_range(target, plan.params.vocab, plan.params.ignore_index)
         # Every rank holds the same target, so every rank keeps the same rows and the collectives line up.
-        rows = (target != plan.params.ignore_index).nonzero().squeeze(1)
-        xs, ys = x.index_select(0, rows), target.index_select(0, rows)
+        rows, ys = kept_rows(target, plan.params.vocab, plan.params.ignore_index)
+        if rows is None:
+            rows = torch.arange(n, device=target.device)
+        xs = x.index_select(0, rows)
         y_local, owned = _local_target(ys, plan.vocab_start, local_vocab)
         n_valid = xs.shape[0]
         need_grad = plan.grad_mode and any(ctx.needs_input_grad[:3])

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .backends.base import TileOps, TileParams
+from .backends.base import TileOps, TileParams, TileStats
 
 _HAS_MM_OUT_DTYPE = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 8)
 
@@ -35,6 +35,7 @@ class CallPlan:
     # them too (an fp32 master weight gets its fp32 accumulator, never rounded to bf16 on the way).
     compute_dtype: torch.dtype | None = None
     prob_weighted: bool = False  # DFT: each row's loss times its detached target probability
+    want_stats: bool = True  # whether the caller reads the per-token statistics (else they are not scattered)
 
 
 def compute_operand(t: torch.Tensor, plan: CallPlan) -> torch.Tensor:
@@ -104,14 +105,40 @@ def _can_compact() -> bool:
 
 
 def check_target_range(target: torch.Tensor, vocab: int, ignore_index: int) -> None:
+    """Every target is in ``[0, V)`` or ``ignore_index``: a ValueError on CPU; on an accelerator a device-side assert
+    (no host sync), for the paths that may not sync (compilation, graph capture)."""
     bad = (target != ignore_index) & ((target < 0) | (target >= vocab))
     if target.device.type == "cpu":
         if bool(bad.any()):
-            first = target[bad][0].item()
-            raise ValueError(f"target contains {first}, outside [0, V={vocab}) and not ignore_index={ignore_index}")
+            _raise_target_range(int(target[bad][0]), vocab, ignore_index)
     elif target.numel():
-        # No host sync: a device-side assert whose message names the problem.
         torch._assert_async(~bad.any(), f"hf_flce: target outside [0, V={vocab}) and not ignore_index={ignore_index}")
+
+
+def _raise_target_range(value: int, vocab: int, ignore_index: int):
+    raise ValueError(f"target contains {value}, outside [0, V={vocab}) and not ignore_index={ignore_index}")
+
+
+def kept_rows(
+    target: torch.Tensor, vocab: int, ignore_index: int, compact: bool = True
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The rows whose target is not ``ignore_index`` (``None`` when that is every row, or when ``compact`` is off)
+    and their targets, once each of those targets is checked to lie in ``[0, V)``. Compaction sizes the batch on the
+    host, so it costs one sync; that same read brings the kept targets' range, and a bad one raises a ValueError
+    naming it (on every device, never a device-side assert that would poison the CUDA context)."""
+    n = target.numel()
+    if not compact or n == 0:
+        check_target_range(target, vocab, ignore_index)
+        return None, target
+    valid = target != ignore_index
+    low, high = torch.aminmax(torch.where(valid, target, 0))
+    n_kept, low, high = torch.stack((valid.sum(), low, high)).tolist()
+    if low < 0 or high >= vocab:
+        _raise_target_range(low if low < 0 else high, vocab, ignore_index)
+    if n_kept == n:
+        return None, target
+    rows = torch.nonzero_static(valid, size=n_kept).squeeze(1)
+    return rows, target.index_select(0, rows)
 
 
 def plan_chunk_rows(n_rows: int, vocab: int, bytes_per_logit: float, budget: int, accumulator_bytes: int = 0) -> int:
@@ -325,6 +352,34 @@ def _chunk_forward(x_chunk, w_c, bias, ys, plan: CallPlan, fused, scale, eager: 
     return stats, prob, grad_out, (kept if keep else None)
 
 
+def _joined(parts: list[torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The chunks' ``[rows]`` results as one tensor of ``dtype`` (a single chunk's as it is)."""
+    if not parts:
+        return torch.zeros(0, dtype=dtype, device=device)
+    return parts[0].to(dtype) if len(parts) == 1 else torch.cat(parts).to(dtype)
+
+
+def _joined_stats(chunk_stats: list[TileStats], device: torch.device) -> list[torch.Tensor]:
+    """loss, logprob, entropy, lse, is_top1, mean_logit, log_sum_sq_probs of every kept row (float32, is_top1 bool)."""
+    fields = ("loss", "logprob", "entropy", "lse", "is_top1", "mean_logit", "log_sum_sq_probs")
+    return [
+        _joined([getattr(s, f) for s in chunk_stats], torch.bool if f == "is_top1" else torch.float32, device)
+        for f in fields
+    ]
+
+
+def _stat_outputs(plan: CallPlan, rows, n: int, logp, ent, lse, top1, mean, lssp) -> list[torch.Tensor]:
+    """The per-token statistics the op returns, ``[n]`` with zeros at the dropped rows: five float32 ones scattered
+    together; empty placeholders when the caller asked for none."""
+    if not plan.want_stats:
+        return [logp.new_empty(0) for _ in range(6)]
+    if rows is None:
+        return [logp, ent, lse, top1, mean, lssp]
+    floats = torch.stack((logp, ent, lse, mean, lssp))
+    logp, ent, lse, mean, lssp = floats.new_zeros((5, n)).index_copy_(1, rows, floats)
+    return [logp, ent, lse, _scatter_rows(top1, rows, n), mean, lssp]
+
+
 class FusedLinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, target, plan: CallPlan):
@@ -332,16 +387,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         need_grad = plan.grad_mode and any((need_dx, need_dw, need_db))
         ctx.set_materialize_grads(False)
-        check_target_range(target, vocab, plan.params.ignore_index)
-
-        rows = None
-        ys = target
-        if _can_compact():
-            rows = (target != plan.params.ignore_index).nonzero().squeeze(1)
-            if rows.numel() != n:
-                ys = target.index_select(0, rows)
-            else:
-                rows = None
+        rows, ys = kept_rows(target, vocab, plan.params.ignore_index, _can_compact())
         n_valid = ys.shape[0]
         w_c = compute_operand(weight, plan)
 
@@ -365,16 +411,6 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         if keep_logits:
             chunk, n_chunks = n_valid, 1
 
-        f32 = dict(dtype=torch.float32, device=x.device)
-        loss_v = torch.empty(n_valid, **f32)
-        lse_v = torch.empty(n_valid, **f32)
-        logp_v = torch.empty(n_valid, **f32)
-        ent_v = torch.empty(n_valid, **f32)
-        mean_v = torch.empty(n_valid, **f32)
-        top1_v = torch.empty(n_valid, dtype=torch.bool, device=x.device)
-        lssp_v = torch.empty(n_valid, **f32)
-        prob_v = torch.empty(n_valid, **f32) if plan.prob_weighted else None
-
         grads = None
         if eager:
             grads = _GradBuffers(n, x.dtype, w_c, weight.dtype, n_chunks, need_dx, need_dw, need_db, rows, residual)
@@ -382,21 +418,15 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         if eager:
             grad_scale = (1.0 / plan.denominator).to(torch.float32).expand(min(chunk, max(n_valid, 1)))
         kept = None
+        chunk_stats, chunk_probs = [], []
         for start, end in _chunks(n_valid, chunk):
             x_chunk = _chunk_rows(x, rows, start, end, plan)
             scale = None if grad_scale is None else grad_scale[: end - start]
             stats, prob, grad_out, kept_chunk = _chunk_forward(
                 x_chunk, w_c, bias, ys[start:end], plan, fused, scale, eager, keep_logits
             )
-            loss_v[start:end] = stats.loss
-            lse_v[start:end] = stats.lse
-            logp_v[start:end] = stats.logprob
-            ent_v[start:end] = stats.entropy
-            mean_v[start:end] = stats.mean_logit
-            top1_v[start:end] = stats.is_top1
-            lssp_v[start:end] = stats.log_sum_sq_probs
-            if prob is not None:
-                prob_v[start:end] = prob
+            chunk_stats.append(stats)
+            chunk_probs.append(prob)
             if eager:
                 grads.add(start, end, grad_out, x_chunk)
             elif keep_logits:
@@ -404,11 +434,13 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             # the next chunk's buffers must not be allocated while this chunk's are still referenced
             del grad_out, kept_chunk
 
+        loss_v, logp_v, ent_v, lse_v, top1_v, mean_v, lssp_v = _joined_stats(chunk_stats, x.device)
+        prob_v = _joined(chunk_probs, torch.float32, x.device) if plan.prob_weighted else None
         if plan.reduction == "none":
             loss = _scatter_rows(loss_v, rows, n)
         else:
             loss = loss_v.sum() / plan.denominator
-        outputs = [loss] + [_scatter_rows(v, rows, n) for v in (logp_v, ent_v, lse_v, top1_v, mean_v, lssp_v)]
+        outputs = [loss, *_stat_outputs(plan, rows, n, logp_v, ent_v, lse_v, top1_v, mean_v, lssp_v)]
         ctx.mark_non_differentiable(*outputs[3:])
 
         ctx.plan = plan

@@ -282,6 +282,39 @@ def _bad(match, exc=ValueError, **overrides):
         hf_flce.fused_linear_cross_entropy(args["hidden"], args["weight"], args["target"], **kw)
 
 
+@pytest.mark.parametrize("compact", [True, False])
+def test_kept_rows_checks_the_range_and_compacts(compact):
+    target = torch.tensor([3, -100, 0, 9, -100, 5])
+    rows, ys = engine.kept_rows(target, 10, -100, compact)
+    if compact:
+        assert rows.tolist() == [0, 2, 3, 5] and ys.tolist() == [3, 0, 9, 5]
+    else:
+        assert rows is None and ys is target
+    # every row kept: no index
+    assert engine.kept_rows(torch.tensor([1, 2]), 10, -100, compact)[0] is None
+    # the bad value is named, whether it lies below 0 or at V, and an ignore_index inside [0, V) is not checked
+    for bad in (10, -1, 12):
+        with pytest.raises(ValueError, match=f"target contains {bad}, outside \\[0, V=10\\)"):
+            engine.kept_rows(torch.tensor([0, bad, -100]), 10, -100, compact)
+    rows, ys = engine.kept_rows(torch.tensor([4, 0, 7]), 10, 0, compact)
+    assert ys.tolist() == ([4, 7] if compact else [4, 0, 7])
+    assert engine.kept_rows(torch.zeros(0, dtype=torch.long), 10, -100, compact)[1].numel() == 0
+
+
+def test_stats_are_not_scattered_unless_asked_for():
+    hidden, weight = torch.randn(6, 8), torch.randn(10, 8)
+    target = torch.tensor([1, -100, 2, 3, -100, 4])
+    with mock.patch.object(engine, "_scatter_rows", wraps=engine._scatter_rows) as scatter:
+        hf_flce.fused_linear_cross_entropy(hidden, weight, target)
+        assert scatter.call_count == 0
+        _, stats = hf_flce.fused_linear_cross_entropy(hidden, weight, target, return_stats=True)
+        assert scatter.call_count == 1  # is_top1; the float statistics are scattered together
+    ref = torch.log_softmax(hidden @ weight.T, -1)
+    kept = target != -100
+    torch.testing.assert_close(stats.logprobs[kept], ref[kept].gather(1, target[kept, None])[:, 0])
+    assert torch.all(stats.logprobs[~kept] == 0) and torch.all(stats.lse[~kept] == 0)
+
+
 def test_bad_inputs_are_named():
     _bad("outside \\[0, V=10\\)", target=torch.tensor([0, 10, 1, 2]))
     _bad("outside \\[0, V=10\\)", target=torch.tensor([0, -1, 1, 2]))

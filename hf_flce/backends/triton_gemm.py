@@ -748,6 +748,12 @@ def _target_logits(x, weight, bias, target, params, t_y):
     )
 
 
+def _empty_stats(n: int, device: torch.device) -> TileStats:
+    f32 = dict(dtype=torch.float32, device=device)
+    loss, lse, logprob, entropy, mean_logit, lssp = (torch.empty(n, **f32) for _ in range(6))
+    return TileStats(loss, lse, logprob, entropy, torch.empty(n, dtype=torch.bool, device=device), mean_logit, lssp)
+
+
 def forward(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -762,18 +768,15 @@ def forward(
     dev = x.device
     f32 = dict(dtype=torch.float32, device=dev)
     f16 = dict(dtype=torch.float16, device=dev)
-    loss, lse, logprob, entropy, mean_logit, lssp = (torch.empty(n, **f32) for _ in range(6))
-    is_top1 = torch.empty(n, dtype=torch.bool, device=dev)
-    stats = TileStats(loss, lse, logprob, entropy, is_top1, mean_logit, lssp)
     if n == 0:
+        stats = _empty_stats(0, dev)
         empty = torch.empty(0, vocab, dtype=torch.float16, device=dev)
-        return stats, (KeptSoftmax(empty, loss, 1, loss) if keep else None)
+        return stats, (KeptSoftmax(empty, stats.loss, 1, stats.loss) if keep else None)
     mode = MODE_KEEP if keep else MODE_STATS
     # Sized for the narrowest tile; the kernel indexes them by the tile width the autotuner picked.
     max_tiles = partial_bytes_per_row(vocab) // (4 * (_N_STATS + 1))
     partials = torch.empty(_N_STATS * max_tiles * n, **f32)
     best = torch.empty(max_tiles * n, dtype=torch.int32, device=dev)
-    t_y = torch.empty(n, **f32)
     from . import hopper_head  # builds on this module's jit functions
 
     warp_specialized = hopper_head.supports(x, weight, bias, params, _stat_flags(params))
@@ -788,6 +791,9 @@ def forward(
             _gemm(x, weight, bias, target, params, mode, e, partials, best, None, None, (None, None, None))
             # the partials' layout follows the tile width the autotuner picked for this launch
             tile_n = _head_gemm_kernel.best_config.kwargs["BN"]
+        # allocated after the GEMM's launch: in an isolated call the GPU waits for nothing but the host
+        stats = _empty_stats(n, dev)
+        t_y = torch.empty(n, **f32)
         _target_logits(x, weight, bias, target, params, t_y)
         n_tiles = triton.cdiv(vocab, tile_n)
         br = 32
@@ -796,13 +802,13 @@ def forward(
             best,
             t_y,
             target,
-            loss,
-            lse,
-            logprob,
-            entropy,
-            is_top1.view(torch.int8),
-            mean_logit,
-            lssp,
+            stats.loss,
+            stats.lse,
+            stats.logprob,
+            stats.entropy,
+            stats.is_top1.view(torch.int8),
+            stats.mean_logit,
+            stats.log_sum_sq_probs,
             n,
             vocab,
             n_tiles,
