@@ -16,6 +16,9 @@
 6. ``hopper``: the warp-specialized Hopper kernel of that GEMM (``backends/hopper_head.py``) against the Triton kernel
    and cuBLAS (statistics only, + stored e; operand rings of 4-6 stages), and the engine with it on and off
    (``HF_FLCE_HOPPER_HEAD``); gemma2-2b with its softcap of 30.
+7. ``host``: the host's share. Per shape, one no-grad call under torch.profiler: the logits GEMM kernel against one
+   cuBLAS GEMM, and how long after the call's first kernel it started (the launches and the compaction sync before
+   it, which an isolated call waits for). Then the host time per call at a shape whose GPU work is tiny.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -410,6 +414,72 @@ def hopper(name: str) -> dict:
     return row
 
 
+HOST_SHAPE = (256, 4096, 32768)
+
+
+def host(name: str) -> dict:
+    """The no-grad call's GPU timeline: the GEMM kernel against cuBLAS and the time before it starts."""
+    n, h, v = SHAPES[name]
+    softcap = 30.0 if name == "gemma2-2b" else None
+    x, w, y = inputs(n, h, v)
+    xd, wd = x.detach(), w.detach()
+    one = timed(lambda: torch.mm(xd, wd.T))
+
+    def no_grad():
+        return hf_flce.fused_linear_cross_entropy(xd, wd, y, softcap=softcap)
+
+    call = timed(no_grad)
+    no_grad()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        no_grad()
+        torch.cuda.synchronize()
+    kernels = sorted(
+        (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda e: e.time_range.start
+    )
+    first = kernels[0].time_range.start
+    gemm = next(e for e in kernels if "head_gemm" in e.name or "hopper_head" in e.name)
+    gemm_ms = (gemm.time_range.end - gemm.time_range.start) / 1e3
+    row = dict(
+        shape=name,
+        gemm_ms=one,
+        no_grad_ms=call,
+        no_grad_over_gemm=call / one,
+        head_gemm_kernel_over_gemm=gemm_ms / one,
+        profiled_gemm_start_ms=(gemm.time_range.start - first) / 1e3,
+        kernels_before_gemm=sum(e.time_range.start < gemm.time_range.start for e in kernels),
+    )
+    print(f"{name:>11} host: " + " ".join(f"{k}={val:.3f}" for k, val in row.items() if k != "shape"), flush=True)
+    return row
+
+
+def host_per_call() -> dict:
+    """Host time of one call (µs) where the GPU work is tiny: what a small or CPU-bound step pays per call."""
+    n, h, v = HOST_SHAPE
+    x, w, y = inputs(n, h, v)
+    calls = {
+        "no_grad": lambda: hf_flce.fused_linear_cross_entropy(x.detach(), w.detach(), y),
+        "fwd_bwd": lambda: torch.autograd.grad(hf_flce.fused_linear_cross_entropy(x, w, y), (x, w)),
+    }
+    row = dict(shape="x".join(map(str, HOST_SHAPE)))
+    for label, fn in calls.items():
+        for _ in range(10):
+            fn()
+        rounds = []
+        for _ in range(5):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(40):
+                fn()
+            torch.cuda.synchronize()
+            rounds.append((time.perf_counter() - start) / 40 * 1e6)
+        row[f"{label}_us"] = median(rounds)
+    print(
+        f"host time per call at {row['shape']}: no-grad {row['no_grad_us']:.0f} us, fwd+bwd {row['fwd_bwd_us']:.0f} us"
+    )
+    return row
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="outputs/profile")
@@ -429,6 +499,7 @@ def main() -> None:
         sweep=[],
         epilogue=[],
         hopper=[],
+        host=[],
     )
     for name in args.shapes.split(","):
         if "budget" in sections:
@@ -443,7 +514,11 @@ def main() -> None:
             result["epilogue"].append(epilogue(name))
         if "hopper" in sections:
             result["hopper"].append(hopper(name))
+        if "host" in sections:
+            result["host"].append(host(name))
         torch.cuda.empty_cache()
+    if "host" in sections:
+        result["host"].append(host_per_call())
     if "sweep" in sections:
         for vocab in (128256, 151936):
             for rows in (1024, 2048, 4096):
