@@ -12,7 +12,7 @@ Two strategies, picked per call:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -353,31 +353,29 @@ def _chunk_forward(x_chunk, w_c, bias, ys, plan: CallPlan, fused, scale, eager: 
 
 
 def _joined(parts: list[torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The chunks' ``[rows]`` results as one tensor of ``dtype`` (a single chunk's as it is)."""
+    """The chunks' ``[rows]`` results as one tensor of ``dtype``: a single chunk's as it is, unless it is a view (a
+    backend may return its statistics as rows of one buffer; views returned by an autograd Function cannot be
+    modified in place)."""
     if not parts:
         return torch.zeros(0, dtype=dtype, device=device)
-    return parts[0].to(dtype) if len(parts) == 1 else torch.cat(parts).to(dtype)
+    if len(parts) > 1:
+        return torch.cat(parts).to(dtype)
+    part = parts[0].to(dtype)
+    return part.clone() if part._base is not None else part
 
 
-def _joined_stats(chunk_stats: list[TileStats], device: torch.device) -> list[torch.Tensor]:
-    """loss, logprob, entropy, lse, is_top1, mean_logit, log_sum_sq_probs of every kept row (float32, is_top1 bool)."""
-    fields = ("loss", "logprob", "entropy", "lse", "is_top1", "mean_logit", "log_sum_sq_probs")
-    return [
-        _joined([getattr(s, f) for s in chunk_stats], torch.bool if f == "is_top1" else torch.float32, device)
-        for f in fields
-    ]
-
-
-def _stat_outputs(plan: CallPlan, rows, n: int, logp, ent, lse, top1, mean, lssp) -> list[torch.Tensor]:
-    """The per-token statistics the op returns, ``[n]`` with zeros at the dropped rows: five float32 ones scattered
-    together; empty placeholders when the caller asked for none."""
-    if not plan.want_stats:
-        return [logp.new_empty(0) for _ in range(6)]
-    if rows is None:
-        return [logp, ent, lse, top1, mean, lssp]
-    floats = torch.stack((logp, ent, lse, mean, lssp))
-    logp, ent, lse, mean, lssp = floats.new_zeros((5, n)).index_copy_(1, rows, floats)
-    return [logp, ent, lse, _scatter_rows(top1, rows, n), mean, lssp]
+def _joined_stats(chunk_stats: list[TileStats], device: torch.device) -> TileStats:
+    """Every kept row's statistics (float32; is_top1 bool)."""
+    return TileStats(
+        **{
+            f.name: _joined(
+                [getattr(s, f.name) for s in chunk_stats],
+                torch.bool if f.name == "is_top1" else torch.float32,
+                device,
+            )
+            for f in fields(TileStats)
+        }
+    )
 
 
 class FusedLinearCrossEntropyFunction(torch.autograd.Function):
@@ -434,13 +432,19 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             # the next chunk's buffers must not be allocated while this chunk's are still referenced
             del grad_out, kept_chunk
 
-        loss_v, logp_v, ent_v, lse_v, top1_v, mean_v, lssp_v = _joined_stats(chunk_stats, x.device)
+        kept_stats = _joined_stats(chunk_stats, x.device)
+        lse_v, ent_v = kept_stats.lse, kept_stats.entropy
         prob_v = _joined(chunk_probs, torch.float32, x.device) if plan.prob_weighted else None
         if plan.reduction == "none":
-            loss = _scatter_rows(loss_v, rows, n)
+            loss = _scatter_rows(kept_stats.loss, rows, n)
         else:
-            loss = loss_v.sum() / plan.denominator
-        outputs = [loss, *_stat_outputs(plan, rows, n, logp_v, ent_v, lse_v, top1_v, mean_v, lssp_v)]
+            loss = kept_stats.loss.sum() / plan.denominator
+        per_token = ("logprob", "entropy", "lse", "is_top1", "mean_logit", "log_sum_sq_probs")
+        if plan.want_stats:
+            outputs = [loss] + [_scatter_rows(getattr(kept_stats, name), rows, n) for name in per_token]
+        else:
+            # nobody reads them: empty placeholders instead of six scatters
+            outputs = [loss] + [loss.new_empty(0) for _ in per_token]
         ctx.mark_non_differentiable(*outputs[3:])
 
         ctx.plan = plan

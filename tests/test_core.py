@@ -308,11 +308,28 @@ def test_stats_are_not_scattered_unless_asked_for():
         hf_flce.fused_linear_cross_entropy(hidden, weight, target)
         assert scatter.call_count == 0
         _, stats = hf_flce.fused_linear_cross_entropy(hidden, weight, target, return_stats=True)
-        assert scatter.call_count == 1  # is_top1; the float statistics are scattered together
+        assert scatter.call_count == 6
     ref = torch.log_softmax(hidden @ weight.T, -1)
     kept = target != -100
     torch.testing.assert_close(stats.logprobs[kept], ref[kept].gather(1, target[kept, None])[:, 0])
     assert torch.all(stats.logprobs[~kept] == 0) and torch.all(stats.lse[~kept] == 0)
+
+
+@pytest.mark.parametrize("ignored", [False, True])
+def test_stats_can_be_modified_in_place(ignored):
+    """Each returned statistic is its own tensor, not one of several views of a buffer (autograd forbids in-place
+    changes to those), with or without dropped rows."""
+    hidden = torch.randn(6, 8, requires_grad=True)
+    target = torch.tensor([1, -100, 2, 3, -100, 4]) if ignored else torch.tensor([1, 0, 2, 3, 5, 4])
+    loss, stats = hf_flce.fused_linear_cross_entropy(
+        hidden, torch.randn(10, 8), target, reduction="none", return_stats=True
+    )
+    for name in ("logprobs", "entropy", "lse", "mean_logit", "log_sum_sq_probs"):
+        value = getattr(stats, name)
+        before = value.clone()
+        value.mul_(2)
+        torch.testing.assert_close(value, before * 2)
+    loss.mul_(2)
 
 
 def test_bad_inputs_are_named():

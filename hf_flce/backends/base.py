@@ -20,7 +20,7 @@ and ``dt/dz = (1 - tanh(z / softcap)**2) / temperature``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Protocol
 
 import torch
@@ -55,6 +55,12 @@ class TileStats:
     is_top1: torch.Tensor  # bool
     mean_logit: torch.Tensor  # float32
     log_sum_sq_probs: torch.Tensor  # float32, log(sum_j p_j**2) (WPO weighting in TRL's DPO)
+
+    @classmethod
+    def empty(cls, rows: int, device: torch.device, dtype: torch.dtype = torch.float32) -> TileStats:
+        """Unfilled results for ``rows`` rows, each its own tensor (``dtype``; ``is_top1`` bool)."""
+        values = {f.name: torch.empty(rows, dtype=dtype, device=device) for f in fields(cls) if f.name != "is_top1"}
+        return cls(is_top1=torch.empty(rows, dtype=torch.bool, device=device), **values)
 
 
 class TileOps(Protocol):

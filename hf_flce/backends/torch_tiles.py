@@ -120,16 +120,7 @@ class TorchTileOps:
 
     def forward(self, logits, target, params, grad_scale=None, grad_out=None) -> TileStats:
         rows = logits.shape[0]
-        out = dict(dtype=_compute_dtype(logits), device=logits.device)
-        stats = TileStats(
-            loss=torch.empty(rows, **out),
-            lse=torch.empty(rows, **out),
-            logprob=torch.empty(rows, **out),
-            entropy=torch.empty(rows, **out),
-            is_top1=torch.empty(rows, dtype=torch.bool, device=logits.device),
-            mean_logit=torch.empty(rows, **out),
-            log_sum_sq_probs=torch.empty(rows, **out),
-        )
+        stats = TileStats.empty(rows, logits.device, _compute_dtype(logits))
         for b, scratch in _Blocks(logits, params, tmp=False):
             self._forward_block(
                 logits[b],

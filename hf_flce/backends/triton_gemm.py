@@ -748,12 +748,6 @@ def _target_logits(x, weight, bias, target, params, t_y):
     )
 
 
-def _empty_stats(n: int, device: torch.device) -> TileStats:
-    f32 = dict(dtype=torch.float32, device=device)
-    loss, lse, logprob, entropy, mean_logit, lssp = (torch.empty(n, **f32) for _ in range(6))
-    return TileStats(loss, lse, logprob, entropy, torch.empty(n, dtype=torch.bool, device=device), mean_logit, lssp)
-
-
 def forward(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -769,7 +763,7 @@ def forward(
     f32 = dict(dtype=torch.float32, device=dev)
     f16 = dict(dtype=torch.float16, device=dev)
     if n == 0:
-        stats = _empty_stats(0, dev)
+        stats = TileStats.empty(0, dev)
         empty = torch.empty(0, vocab, dtype=torch.float16, device=dev)
         return stats, (KeptSoftmax(empty, stats.loss, 1, stats.loss) if keep else None)
     mode = MODE_KEEP if keep else MODE_STATS
@@ -792,7 +786,7 @@ def forward(
             # the partials' layout follows the tile width the autotuner picked for this launch
             tile_n = _head_gemm_kernel.best_config.kwargs["BN"]
         # allocated after the GEMM's launch: in an isolated call the GPU waits for nothing but the host
-        stats = _empty_stats(n, dev)
+        stats = TileStats.empty(n, dev)
         t_y = torch.empty(n, **f32)
         _target_logits(x, weight, bias, target, params, t_y)
         n_tiles = triton.cdiv(vocab, tile_n)

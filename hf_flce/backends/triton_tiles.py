@@ -510,11 +510,8 @@ class TritonTileOps:
         grad_out: torch.Tensor | None = None,
     ) -> TileStats:
         rows = logits.shape[0]
-        f32 = dict(dtype=torch.float32, device=logits.device)
-        loss, lse, logprob, entropy, mean_logit, lssp = (torch.empty(rows, **f32) for _ in range(6))
-        is_top1 = torch.empty(rows, dtype=torch.bool, device=logits.device)
-        stats = TileStats(loss, lse, logprob, entropy, is_top1, mean_logit, lssp)
-        self._launch(logits, target, params, lse, entropy, (grad_scale, None, None), grad_out, stats)
+        stats = TileStats.empty(rows, logits.device)
+        self._launch(logits, target, params, stats.lse, stats.entropy, (grad_scale, None, None), grad_out, stats)
         return stats
 
     def backward(
