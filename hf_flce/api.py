@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Collection
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -11,7 +13,7 @@ from torch import nn
 
 from .backends import resolve_backend
 from .backends.base import TileParams
-from .engine import CallPlan, FusedLinearCrossEntropyFunction
+from .engine import CallPlan, FusedLinearCrossEntropyFunction, forward_without_grad
 from .options import FLCEOptions, check_num_items, check_tensors, stats_request
 
 
@@ -142,15 +144,20 @@ def fused_linear_cross_entropy(
     y = target.reshape(-1)
     if y.dtype != torch.int64:
         y = y.long()
-    valid = y != opts.ignore_index
-    cw = None
-    cw_sum = None
+    cw = cw_sum = None
     if class_weight is not None:
         cw = class_weight.detach().to(torch.float32).contiguous()
         cw_sum = cw.sum()
-        valid_weight = torch.where(valid, cw[torch.where(valid, y, 0).clamp(0, vocab - 1)], 0.0).sum()
-    else:
-        valid_weight = valid.sum(dtype=torch.float32)
+
+    @functools.cache
+    def denominator() -> torch.Tensor | None:
+        valid = y != opts.ignore_index
+        if cw is None:
+            valid_weight = valid.sum(dtype=torch.float32)
+        else:
+            valid_weight = torch.where(valid, cw[torch.where(valid, y, 0).clamp(0, vocab - 1)], 0.0).sum()
+        return loss_denominator(valid_weight, opts, num_items_in_batch, x.device)
+
     params = TileParams(
         vocab=vocab,
         ignore_index=opts.ignore_index,
@@ -166,17 +173,22 @@ def fused_linear_cross_entropy(
         tiles=tiles,
         params=params,
         reduction="none" if reduction == "none" and num_items_in_batch is None else "scalar",
-        denominator=loss_denominator(valid_weight, opts, num_items_in_batch, x.device),
+        denominator=denominator,
         budget=opts.budget_bytes(x.device),
         grad_mode=torch.is_grad_enabled(),
         compute_dtype=compute_dtype,
         prob_weighted=prob_weighted,
         want_stats=wanted_stats is not None,
     )
-    with torch.autocast(x.device.type, enabled=False):
-        loss, logprobs, entropy, lse, is_top1, mean_logit, log_sum_sq_probs = FusedLinearCrossEntropyFunction.apply(
-            x, weight, bias, y, plan
-        )
+    needs_grad = plan.grad_mode and any(t is not None and t.requires_grad for t in (x, weight, bias))
+    # the GEMMs run in compute_dtype: autocast must not recast them inside
+    no_autocast = torch.autocast(x.device.type, enabled=False) if compute_dtype is not None else nullcontext()
+    with no_autocast:
+        if needs_grad:
+            outputs = FusedLinearCrossEntropyFunction.apply(x, weight, bias, y, plan)
+        else:
+            outputs = forward_without_grad(x, weight, bias, y, plan)
+    loss, logprobs, entropy, lse, is_top1, mean_logit, log_sum_sq_probs = outputs
     if plan.reduction == "none":
         loss = loss.reshape(target.shape)
     if wanted_stats is None:

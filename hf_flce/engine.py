@@ -12,6 +12,7 @@ Two strategies, picked per call:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import torch
@@ -28,7 +29,9 @@ class CallPlan:
     tiles: TileOps
     params: TileParams
     reduction: str  # "none" or "scalar"
-    denominator: torch.Tensor | None  # float32 0-d: the scalar loss is sum / denominator
+    # The scalar loss is sum / denominator() (float32 0-d; None for per-token losses). Computed where first needed,
+    # so a no-grad call launches its GEMM before the launches that count the targets.
+    denominator: Callable[[], torch.Tensor | None]
     budget: int
     grad_mode: bool  # torch.is_grad_enabled() at the call (it is always off inside Function.forward)
     # Under autocast: the dtype the GEMMs run in. The inputs stay in their own dtypes, so the gradients come back in
@@ -119,6 +122,12 @@ def _raise_target_range(value: int, vocab: int, ignore_index: int):
     raise ValueError(f"target contains {value}, outside [0, V={vocab}) and not ignore_index={ignore_index}")
 
 
+def _check_range(low: int, high: int, vocab: int, ignore_index: int) -> None:
+    """The kept targets' minimum and maximum (read on the host) lie in ``[0, V)``."""
+    if low < 0 or high >= vocab:
+        _raise_target_range(low if low < 0 else high, vocab, ignore_index)
+
+
 def kept_rows(
     target: torch.Tensor, vocab: int, ignore_index: int, compact: bool = True
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -133,8 +142,7 @@ def kept_rows(
     valid = target != ignore_index
     low, high = torch.aminmax(torch.where(valid, target, 0))
     n_kept, low, high = torch.stack((valid.sum(), low, high)).tolist()
-    if low < 0 or high >= vocab:
-        _raise_target_range(low if low < 0 else high, vocab, ignore_index)
+    _check_range(low, high, vocab, ignore_index)
     if n_kept == n:
         return None, target
     rows = torch.nonzero_static(valid, size=n_kept).squeeze(1)
@@ -378,88 +386,147 @@ def _joined_stats(chunk_stats: list[TileStats], device: torch.device) -> TileSta
     )
 
 
+@dataclass
+class _ForwardState:
+    """What a forward that wants gradients leaves for backward."""
+
+    eager_grads: _GradBuffers | None  # the scalar loss's gradients, waiting for the upstream scalar
+    row_prob: torch.Tensor | None  # DFT: each kept row's detached target probability
+    rows: torch.Tensor | None  # the kept rows (None: every row)
+    lse: torch.Tensor  # kept rows
+    entropy: torch.Tensor  # kept rows
+    kept: object  # kept logits (or the epilogue path's KeptSoftmax) for the per-token backward, else None
+
+
+_PER_TOKEN = ("logprob", "entropy", "lse", "is_top1", "mean_logit", "log_sum_sq_probs")
+
+
+def _outputs(kept_stats: TileStats, plan: CallPlan, scatter) -> tuple[torch.Tensor, ...]:
+    """The op's seven outputs from the kept rows' statistics; ``scatter`` places kept-row values into all rows."""
+    if plan.reduction == "none":
+        loss = scatter(kept_stats.loss)
+    else:
+        loss = kept_stats.loss.sum() / plan.denominator()
+    if not plan.want_stats:
+        # nobody reads them: empty placeholders instead of six scatters
+        return (loss,) + tuple(loss.new_empty(0) for _ in _PER_TOKEN)
+    return (loss,) + tuple(scatter(getattr(kept_stats, name)) for name in _PER_TOKEN)
+
+
+def _statistics_without_sync(x, w_c, bias, target, plan: CallPlan, fused):
+    """A no-grad call on the epilogue GEMM, whose host never waits before the GEMM's launch: the kept rows are moved
+    first on the device (a fixed-size gather) and the GEMM reads their count from device memory. Prompt-masked rows
+    still cost nothing but that gather. The targets' range is checked by one host read after the launches (a
+    ValueError, as everywhere). None where this does not apply: a call whose partial statistics and gathered rows
+    exceed the budget (it takes the chunked path), or one that may not sync at all (graph capture, compilation)."""
+    n, vocab = x.shape[0], w_c.shape[0]
+    if fused is None or n == 0 or not _can_compact():
+        return None
+    # the partial statistics and the gathered rows, within the budget as one chunk
+    if n * (vocab * fused.bytes_per_logit(vocab, False) + x.shape[1] * w_c.element_size()) > plan.budget:
+        return None
+    ignore_index = plan.params.ignore_index
+    valid = target != ignore_index
+    order = torch.nonzero_static(valid, size=n, fill_value=n).squeeze(1)
+    # rows past the count are never computed: they gather the last row, with an ignore_index target
+    x_kept = compute_operand(x.index_select(0, order.clamp(max=n - 1)), plan)
+    y_kept = torch.nn.functional.pad(target, (0, 1), value=ignore_index).index_select(0, order)
+    stats, _ = fused.forward(x_kept, w_c, bias, y_kept, plan.params, False, valid.sum(dtype=torch.int32))
+    low, high = torch.aminmax(torch.where(valid, target, 0))
+    if plan.prob_weighted:
+        stats.loss = stats.loss * torch.exp(stats.logprob)
+    outputs = _outputs(stats, plan, lambda values: values.new_zeros(n).masked_scatter_(valid, values))
+    _check_range(*torch.stack((low, high)).tolist(), vocab, ignore_index)
+    return outputs
+
+
+def _forward(x, weight, bias, target, plan: CallPlan, needs_input_grad) -> tuple[tuple, _ForwardState | None]:
+    """The op's outputs and, when gradients are wanted, what backward needs."""
+    n, vocab = x.shape[0], weight.shape[0]
+    need_dx, need_dw, need_db = needs_input_grad
+    need_grad = plan.grad_mode and any(needs_input_grad)
+    w_c = compute_operand(weight, plan)
+    fused = _fused_head(plan, x, w_c, bias)
+    if not need_grad:
+        outputs = _statistics_without_sync(x, w_c, bias, target, plan, fused)
+        if outputs is not None:
+            return outputs, None
+    rows, ys = kept_rows(target, vocab, plan.params.ignore_index, _can_compact())
+    n_valid = ys.shape[0]
+
+    eager = need_grad and plan.reduction == "scalar"
+    residual = _residual_dw(plan, x, weight) if eager else None
+    accumulator = _accumulator_bytes(residual, weight, eager and need_dw)
+    logits_16bit = fused is None and _logits_16bit(plan, x, bias)
+    if fused is not None:
+        # without a gradient in forward only the partial statistics take memory; kept logits are one chunk
+        per_logit = fused.bytes_per_logit(vocab, keep=eager)
+        kept_per_logit = fused.bytes_per_logit(vocab)
+    else:
+        per_logit = _bytes_per_logit(plan, (plan.compute_dtype or x.dtype) if eager else None, logits_16bit)
+        kept_per_logit = 2 if logits_16bit else 4
+    chunk = _plan_rows(plan, n_valid, vocab, per_logit, residual, accumulator, logits_16bit)
+    n_chunks = max(1, -(-n_valid // chunk))
+    keep_logits = (
+        need_grad and not eager and n_valid > 0 and n_valid * vocab * kept_per_logit <= _keep_limit(plan, x.device)
+    )
+    if keep_logits:
+        chunk, n_chunks = n_valid, 1
+
+    grads = None
+    if eager:
+        grads = _GradBuffers(n, x.dtype, w_c, weight.dtype, n_chunks, need_dx, need_dw, need_db, rows, residual)
+    grad_scale = None
+    if eager:
+        grad_scale = (1.0 / plan.denominator()).to(torch.float32).expand(min(chunk, max(n_valid, 1)))
+    kept = None
+    chunk_stats, chunk_probs = [], []
+    for start, end in _chunks(n_valid, chunk):
+        x_chunk = _chunk_rows(x, rows, start, end, plan)
+        scale = None if grad_scale is None else grad_scale[: end - start]
+        stats, prob, grad_out, kept_chunk = _chunk_forward(
+            x_chunk, w_c, bias, ys[start:end], plan, fused, scale, eager, keep_logits
+        )
+        chunk_stats.append(stats)
+        chunk_probs.append(prob)
+        if eager:
+            grads.add(start, end, grad_out, x_chunk)
+        elif keep_logits:
+            kept = kept_chunk
+        # the next chunk's buffers must not be allocated while this chunk's are still referenced
+        del grad_out, kept_chunk
+
+    kept_stats = _joined_stats(chunk_stats, x.device)
+    outputs = _outputs(kept_stats, plan, lambda values: _scatter_rows(values, rows, n))
+    if not need_grad:
+        return outputs, None
+    prob_v = _joined(chunk_probs, torch.float32, x.device) if plan.prob_weighted else None
+    return outputs, _ForwardState(grads, prob_v, rows, kept_stats.lse, kept_stats.entropy, kept)
+
+
+def forward_without_grad(x, weight, bias, target, plan: CallPlan) -> tuple[torch.Tensor, ...]:
+    """The op's outputs where no gradient is wanted, without autograd's bookkeeping."""
+    return _forward(x, weight, bias, target, plan, (False, False, False))[0]
+
+
 class FusedLinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, target, plan: CallPlan):
-        n, vocab = x.shape[0], weight.shape[0]
-        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-        need_grad = plan.grad_mode and any((need_dx, need_dw, need_db))
         ctx.set_materialize_grads(False)
-        rows, ys = kept_rows(target, vocab, plan.params.ignore_index, _can_compact())
-        n_valid = ys.shape[0]
-        w_c = compute_operand(weight, plan)
-
-        eager = need_grad and plan.reduction == "scalar"
-        fused = _fused_head(plan, x, w_c, bias)
-        residual = _residual_dw(plan, x, weight) if eager else None
-        accumulator = _accumulator_bytes(residual, weight, eager and need_dw)
-        logits_16bit = fused is None and _logits_16bit(plan, x, bias)
-        if fused is not None:
-            # without a gradient in forward only the partial statistics take memory; kept logits are one chunk
-            per_logit = fused.bytes_per_logit(vocab, keep=eager)
-            kept_per_logit = fused.bytes_per_logit(vocab)
-        else:
-            per_logit = _bytes_per_logit(plan, (plan.compute_dtype or x.dtype) if eager else None, logits_16bit)
-            kept_per_logit = 2 if logits_16bit else 4
-        chunk = _plan_rows(plan, n_valid, vocab, per_logit, residual, accumulator, logits_16bit)
-        n_chunks = max(1, -(-n_valid // chunk))
-        keep_logits = (
-            need_grad and not eager and n_valid > 0 and n_valid * vocab * kept_per_logit <= _keep_limit(plan, x.device)
-        )
-        if keep_logits:
-            chunk, n_chunks = n_valid, 1
-
-        grads = None
-        if eager:
-            grads = _GradBuffers(n, x.dtype, w_c, weight.dtype, n_chunks, need_dx, need_dw, need_db, rows, residual)
-        grad_scale = None
-        if eager:
-            grad_scale = (1.0 / plan.denominator).to(torch.float32).expand(min(chunk, max(n_valid, 1)))
-        kept = None
-        chunk_stats, chunk_probs = [], []
-        for start, end in _chunks(n_valid, chunk):
-            x_chunk = _chunk_rows(x, rows, start, end, plan)
-            scale = None if grad_scale is None else grad_scale[: end - start]
-            stats, prob, grad_out, kept_chunk = _chunk_forward(
-                x_chunk, w_c, bias, ys[start:end], plan, fused, scale, eager, keep_logits
-            )
-            chunk_stats.append(stats)
-            chunk_probs.append(prob)
-            if eager:
-                grads.add(start, end, grad_out, x_chunk)
-            elif keep_logits:
-                kept = kept_chunk
-            # the next chunk's buffers must not be allocated while this chunk's are still referenced
-            del grad_out, kept_chunk
-
-        kept_stats = _joined_stats(chunk_stats, x.device)
-        lse_v, ent_v = kept_stats.lse, kept_stats.entropy
-        prob_v = _joined(chunk_probs, torch.float32, x.device) if plan.prob_weighted else None
-        if plan.reduction == "none":
-            loss = _scatter_rows(kept_stats.loss, rows, n)
-        else:
-            loss = kept_stats.loss.sum() / plan.denominator
-        per_token = ("logprob", "entropy", "lse", "is_top1", "mean_logit", "log_sum_sq_probs")
-        if plan.want_stats:
-            outputs = [loss] + [_scatter_rows(getattr(kept_stats, name), rows, n) for name in per_token]
-        else:
-            # nobody reads them: empty placeholders instead of six scatters
-            outputs = [loss] + [loss.new_empty(0) for _ in per_token]
+        outputs, state = _forward(x, weight, bias, target, plan, ctx.needs_input_grad[:3])
         ctx.mark_non_differentiable(*outputs[3:])
-
         ctx.plan = plan
-        ctx.eager = eager
-        ctx.n = n
-        ctx.grad_enabled = need_grad
-        if need_grad:
-            # Eager gradients wait for the upstream scalar; dW stays in its float32 accumulator until then.
-            ctx.eager_grads = grads if eager else None
-            ctx.row_prob = prob_v
-            ctx.save_for_backward(x, weight, bias, target, rows, lse_v, ent_v)
+        ctx.eager = state is not None and state.eager_grads is not None
+        ctx.n = x.shape[0]
+        ctx.grad_enabled = state is not None
+        if state is not None:
+            ctx.eager_grads = state.eager_grads
+            ctx.row_prob = state.row_prob
+            ctx.save_for_backward(x, weight, bias, target, state.rows, state.lse, state.entropy)
             # Kept logits are overwritten by the first backward, so they live on ctx (not version-checked) and are
             # dropped once used: a second backward (retain_graph) recomputes them.
-            ctx.kept = kept
-        return tuple(outputs)
+            ctx.kept = state.kept
+        return outputs
 
     @staticmethod
     def backward(ctx, g_loss, g_logp, g_ent, *unused):
@@ -478,7 +545,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             else:
                 # A second backward (retain_graph): the eager buffers were handed out, so recompute, with the
                 # scalar's gradient spread over the rows.
-                per_token_loss = (g_loss.to(torch.float32) / plan.denominator).expand(ctx.n)
+                per_token_loss = (g_loss.to(torch.float32) / plan.denominator()).expand(ctx.n)
                 if plan.prob_weighted:
                     per_token_loss = per_token_loss * _scatter_rows(ctx.row_prob, rows, ctx.n)
         if per_token_loss is not None or g_logp is not None or g_ent is not None:

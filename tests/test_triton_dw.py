@@ -283,7 +283,7 @@ def test_chunk_plan_budgets_the_residual():
     """With the residual, the budget covers the chunk buffers and the residual (V H bytes); one chunk when that costs
     no more. With a float32 accumulator the chunks get the whole budget."""
     tiles = resolve_backend("triton", DEVICE)
-    plan = engine.CallPlan(tiles, None, "scalar", None, budget=1000, grad_mode=True)
+    plan = engine.CallPlan(tiles, None, "scalar", lambda: None, budget=1000, grad_mode=True)
     weight = torch.empty(40, 10, dtype=torch.bfloat16)  # a 400-byte residual
     # 100 rows of 10 bytes: one chunk needs 1000 bytes, no more than 600-byte chunks plus the residual
     assert engine._plan_rows(plan, 100, 10, 1.0, triton_dw, 400, False) == 100

@@ -8,6 +8,7 @@ Without a GPU the kernels run in the Triton interpreter (conftest sets it), with
 """
 
 import dataclasses
+import warnings
 from unittest import mock
 
 import pytest
@@ -134,6 +135,96 @@ def test_without_compaction(reduction, fused_calls):
     assert fused_calls["forward"] == 1
 
 
+@pytest.mark.parametrize("names", FUSABLE, ids=lambda c: "+".join(c) or "plain")
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_no_grad_call_reads_nothing_on_the_host_before_the_gemm(names, reduction, fused_calls):
+    # Without gradients the kept rows go first on the device and the GEMM reads their count there: compaction's host
+    # read (kept_rows) is never reached, and the GEMM is told to compute the kept rows only.
+    hidden, weight, target, bias, opts = build(names, n=37, v=300, ignore_every=5)
+    target[20:31] = -100  # a masked prompt
+    h, w, b = half(hidden, weight, bias)
+    counts = []
+    real_forward = triton_gemm.forward
+
+    def forward(*args, **kwargs):
+        counts.append(args[6].item())
+        return real_forward(*args, **kwargs)
+
+    with (
+        torch.no_grad(),
+        mock.patch.object(engine, "kept_rows", side_effect=AssertionError("synced before the GEMM")),
+        mock.patch.object(triton_gemm, "forward", forward),
+    ):
+        loss, stats = hf_flce.fused_linear_cross_entropy(
+            h, w, target, b, backend="triton", reduction=reduction, return_stats=True, prob_weighted=False, **opts
+        )
+    ref_loss, ref_stats = hf_flce.reference_linear_cross_entropy(
+        *(None if t is None else t.double() for t in (h, w)),
+        target,
+        None if b is None else b.double(),
+        reduction=reduction,
+        **opts,
+    )
+    assert counts == [int((target != -100).sum())]
+    assert loss.shape == ref_loss.shape and loss.dtype == torch.float32
+    assert_close(loss, ref_loss, TOL, "loss")
+    for name in ("logprobs", "entropy", "lse", "mean_logit", "log_sum_sq_probs"):
+        assert_close(getattr(stats, name), ref_stats[name], TOL, name)
+    assert torch.equal(stats.is_top1.cpu(), ref_stats["is_top1"].cpu())
+
+
+def test_no_grad_call_bad_targets_and_edge_batches(fused_calls):
+    hidden, weight, target, _, _ = build((), n=9, v=50)
+    h, w = half(hidden, weight, None)[:2]
+    with torch.no_grad():
+        for bad in (50, -1):
+            wrong = target.clone()
+            wrong[4] = bad
+            with pytest.raises(ValueError, match=f"target contains {bad}, outside \\[0, V=50\\)"):
+                hf_flce.fused_linear_cross_entropy(h, w, wrong, backend="triton")
+        ignored = torch.full_like(target, -100)
+        loss, stats = hf_flce.fused_linear_cross_entropy(h, w, ignored, backend="triton", return_stats=True)
+        assert loss.item() == 0.0 and not stats.lse.abs().sum() and not stats.is_top1.any()
+        # DFT's weighting without gradients (an eval of a DFT run)
+        loss = hf_flce.fused_linear_cross_entropy(h, w, target, backend="triton", prob_weighted=True)
+        ref, _ = hf_flce.reference_linear_cross_entropy(h.double(), w.double(), target, prob_weighted=True)
+        assert_close(loss, ref, TOL, "prob_weighted loss")
+        one = hf_flce.fused_linear_cross_entropy(h[:1], w, target[:1].clamp(min=0), backend="triton")
+        assert_close(
+            one,
+            hf_flce.reference_linear_cross_entropy(h[:1].double(), w.double(), target[:1].clamp(min=0))[0],
+            TOL,
+            "one row",
+        )
+    assert fused_calls["forward"] == 5  # the bad targets too: they are caught after the GEMM's launch
+
+
+def test_no_grad_call_over_the_budget_takes_the_chunked_path(fused_calls):
+    hidden, weight, target, _, _ = build((), n=40, v=300, ignore_every=4)
+    h, w = half(hidden, weight, None)[:2]
+    with torch.no_grad(), mock.patch.object(engine, "kept_rows", wraps=engine.kept_rows) as compaction:
+        loss = hf_flce.fused_linear_cross_entropy(h, w, target, backend="triton", memory_budget=4096)
+    ref, _ = hf_flce.reference_linear_cross_entropy(h.double(), w.double(), target)
+    assert compaction.called and fused_calls["forward"] >= 2
+    assert_close(loss, ref, TOL, "loss")
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="host synchronisations are a CUDA notion")
+def test_no_grad_call_synchronises_once():
+    hidden, weight, target, _, _ = build((), n=64, v=1000, ignore_every=3)
+    h, w = half(hidden, weight, None)[:2]
+    hf_flce.fused_linear_cross_entropy(h, w, target, backend="triton")  # compiles
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            hf_flce.fused_linear_cross_entropy(h, w, target, backend="triton", reduction="none", return_stats=True)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    # the one read of the targets' range, after every launch
+    assert len([c for c in caught if "called a synchronizing" in str(c.message)]) == 1
+
+
 def test_prob_weighted_and_second_backward(fused_calls):
     hidden, weight, target, _, _ = build((), n=12)
     h, w = (t.half().requires_grad_() for t in (hidden, weight))
@@ -246,6 +337,27 @@ def kernel_grads_match(hidden, weight, bias, target, params, logits, ref, stats,
     from_kept = triton_gemm.gradient(kept, target, stats.lse, stats.entropy, params, torch.float32, *upstream)
     assert_close(from_kept, expected, 2e-3, "gradient from the kept e")
     assert kept.e is None
+
+
+@pytest.mark.parametrize("count", [0, 1, 13, 21])
+def test_kernel_computes_only_the_rows_counted_on_the_device(count):
+    n, v = 21, 70
+    hidden, weight, target, _ = make_inputs(n, 24, v, ignore_every=0, seed=3)
+    params = params_for(v)
+    max_tiles = triton_gemm.partial_bytes_per_row(v) // 24
+    partials = torch.full((5 * max_tiles * n,), float("nan"), device=DEVICE)
+    best = torch.zeros(max_tiles * n, dtype=torch.int32, device=DEVICE)
+    rows = torch.tensor(count, dtype=torch.int32, device=DEVICE)
+    none = (None, None, None)
+    triton_gemm._gemm(hidden, weight, None, target, params, 0, None, partials, best, None, None, none, rows)
+    tile_n = triton_gemm._head_gemm_kernel.best_config.kwargs["BN"]
+    n_tiles = -(-v // tile_n)
+    maxima = partials[: n_tiles * n].view(n_tiles, n)
+    logits = hidden.double() @ weight.double().T
+    padded = torch.nn.functional.pad(logits, (0, n_tiles * tile_n - v), value=float("-inf"))
+    expected = padded.view(n, n_tiles, tile_n).amax(-1).T
+    assert_close(maxima[:, :count], expected[:, :count], 1e-5, "tile maxima")
+    assert maxima[:, count:].isnan().all(), "rows past the count were computed"
 
 
 @pytest.mark.parametrize("v", [1, 31, 32, 100])

@@ -207,6 +207,7 @@ def _head_gemm_kernel(
     stride_glp,
     ge_ptr,
     stride_ge,
+    rows_ptr,
     N,
     V,
     K,
@@ -218,6 +219,7 @@ def _head_gemm_kernel(
     smooth_over_v,
     z_loss,
     MODE: tl.constexpr,
+    ROWS_ON_DEVICE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_TEMPERATURE: tl.constexpr,
@@ -242,8 +244,12 @@ def _head_gemm_kernel(
 ):
     """[BM, BN] tiles of the transformed logits t of x W^T + b, each reduced in the epilogue (see the module docstring).
     Persistent: each program takes every ``num_programs``-th tile of the full column blocks, then of the ragged last
-    one (if V % BN), the only tiles that mask columns."""
-    tiles_m = tl.cdiv(N, BM)
+    one (if V % BN), the only tiles that mask columns. ``ROWS_ON_DEVICE``: only the first ``*rows_ptr`` of the N rows
+    are computed (a count the host never reads); N stays the stride of the partials."""
+    M = N
+    if ROWS_ON_DEVICE:
+        M = tl.load(rows_ptr)
+    tiles_m = tl.cdiv(M, BM)
     tiles_n = tl.cdiv(V, BN)
     full_n = V // BN
     # Grouped order: GROUP_M row blocks sweep the vocabulary together, so each W tile is read from L2 that often.
@@ -278,7 +284,7 @@ def _head_gemm_kernel(
                 pid_n = full_n
             rows = pid_m * BM + tl.arange(0, BM)
             cols = pid_n * BN + tl.arange(0, BN)
-            row_ok = rows < N
+            row_ok = rows < M
             col_ok = cols < V
             acc = tl.zeros((BM, BN), dtype=tl.float32)
             if USE_TMA:
@@ -453,7 +459,8 @@ def _merge_kernel(
     row_max = big
     for t0 in range(0, n_tiles, BT):
         tiles = t0 + tl.arange(0, BT)
-        mask = (tiles[:, None] < n_tiles) & row_ok[None, :]
+        # ignored rows' partials are never read: the GEMM may have skipped them (ROWS_ON_DEVICE)
+        mask = (tiles[:, None] < n_tiles) & valid[None, :]
         m = tl.load(part_ptr + tiles[:, None] * N + rows[None, :], mask=mask, other=_NEG_BIG)
         row_max = tl.maximum(row_max, tl.max(m, 0))
     sum_e = tl.zeros((BR,), tl.float32)
@@ -463,7 +470,7 @@ def _merge_kernel(
     best = tl.full((BR,), 2147483647, tl.int32)
     for t0 in range(0, n_tiles, BT):
         tiles = t0 + tl.arange(0, BT)
-        mask = (tiles[:, None] < n_tiles) & row_ok[None, :]
+        mask = (tiles[:, None] < n_tiles) & valid[None, :]
         offs = tiles[:, None] * N + rows[None, :]
         m = tl.load(part_ptr + offs, mask=mask, other=_NEG_BIG)
         shift = tl.where(mask, m - row_max[None, :], 0.0)
@@ -679,7 +686,7 @@ def transform_args(params: TileParams) -> tuple[float, float, float]:
     return 0.0 if params.softcap is None else 1.0 / params.softcap, _t_scale(params), params.inv_temperature
 
 
-def _gemm(x, weight, bias, target, params, mode, out, partials, best, lse, entropy, upstream):
+def _gemm(x, weight, bias, target, params, mode, out, partials, best, lse, entropy, upstream, rows_on_device=None):
     n, k = x.shape
     use_tma = _tma_usable(x, weight)
     if use_tma:
@@ -691,7 +698,7 @@ def _gemm(x, weight, bias, target, params, mode, out, partials, best, lse, entro
     def grid(meta):
         return (min(programs, triton.cdiv(n, meta["BM"]) * triton.cdiv(params.vocab, meta["BN"])),)
 
-    _head_gemm_kernel[grid](
+    args = (
         x,
         x.stride(0),
         weight,
@@ -705,6 +712,7 @@ def _gemm(x, weight, bias, target, params, mode, out, partials, best, lse, entro
         spare if lse is None else lse,
         spare if entropy is None else entropy,
         *_vectors(upstream, spare),
+        spare if rows_on_device is None else rows_on_device,
         n,
         params.vocab,
         k,
@@ -713,7 +721,10 @@ def _gemm(x, weight, bias, target, params, mode, out, partials, best, lse, entro
         params.label_smoothing,
         params.label_smoothing / params.vocab,
         params.z_loss,
+    )
+    flags = dict(
         MODE=mode,
+        ROWS_ON_DEVICE=rows_on_device is not None,
         HAS_BIAS=bias is not None,
         UPCAST=x.device.type == "cpu",
         # float32 operands (tests) get exact products, not TF32; 16-bit ones use the tensor cores either way
@@ -723,6 +734,27 @@ def _gemm(x, weight, bias, target, params, mode, out, partials, best, lse, entro
         **_option_flags(params, (None, None, None) if mode != MODE_GRAD else upstream),
         **_stat_flags(params, wanted=mode != MODE_GRAD),
     )
+    tuned_key = (params.vocab, k, mode, use_tma, tuple(a.dtype for a in args if isinstance(a, torch.Tensor)))
+    return _launch_tuned(grid, args, flags, tuned_key)
+
+
+# The configuration the autotuner picked, per launch key (finer than its own: vocabulary, K, mode, TMA and every
+# tensor argument's dtype).
+_TUNED: dict[tuple, triton.Config] = {}
+
+
+def _launch_tuned(grid, args, flags, key) -> triton.Config:
+    """``_head_gemm_kernel``: through the autotuner the first time ``key`` is seen, then straight to the configuration
+    it picked. Its per-launch bookkeeping (dicts of every argument, list lookups) costs tens of microseconds of host
+    time, which an isolated call's GPU waits for."""
+    config = _TUNED.get(key)
+    if config is None:
+        _head_gemm_kernel[grid](*args, **flags)
+        config = _TUNED[key] = _head_gemm_kernel.best_config
+    else:
+        _head_gemm_kernel.best_config = config
+        _head_gemm_kernel.fn[grid](*args, **flags, **config.all_kwargs())
+    return config
 
 
 def _target_logits(x, weight, bias, target, params, t_y):
@@ -755,9 +787,11 @@ def forward(
     target: torch.Tensor,
     params: TileParams,
     keep: bool,
+    rows_on_device: torch.Tensor | None = None,
 ) -> tuple[TileStats, KeptSoftmax | None]:
     """Statistics of every row of ``x W^T + b`` (and, with ``keep``, what the gradient pass needs), without ever
-    materialising the logits."""
+    materialising the logits. ``rows_on_device`` (int32 0-d, statistics only): the GEMM computes only that many
+    leading rows, a count the host need not read; the rows after it must have ``ignore_index`` targets."""
     n, vocab = x.shape[0], params.vocab
     dev = x.device
     f32 = dict(dtype=torch.float32, device=dev)
@@ -773,7 +807,7 @@ def forward(
     best = torch.empty(max_tiles * n, dtype=torch.int32, device=dev)
     from . import hopper_head  # builds on this module's jit functions
 
-    warp_specialized = hopper_head.supports(x, weight, bias, params, _stat_flags(params))
+    warp_specialized = rows_on_device is None and hopper_head.supports(x, weight, bias, params, _stat_flags(params))
     e = None
     if keep:
         e = hopper_head.empty_e(n, vocab, dev) if warp_specialized else torch.empty(n, vocab, **f16)
@@ -782,9 +816,11 @@ def forward(
             hopper_head.statistics(x, weight, params, partials, e)
             tile_n = hopper_head.BN
         else:
-            _gemm(x, weight, bias, target, params, mode, e, partials, best, None, None, (None, None, None))
+            config = _gemm(
+                x, weight, bias, target, params, mode, e, partials, best, None, None, (None,) * 3, rows_on_device
+            )
             # the partials' layout follows the tile width the autotuner picked for this launch
-            tile_n = _head_gemm_kernel.best_config.kwargs["BN"]
+            tile_n = config.kwargs["BN"]
         # allocated after the GEMM's launch: in an isolated call the GPU waits for nothing but the host
         stats = TileStats.empty(n, dev)
         t_y = torch.empty(n, **f32)
