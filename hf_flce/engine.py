@@ -422,8 +422,9 @@ def _statistics_without_sync(x, w_c, bias, target, plan: CallPlan, fused):
     n, vocab = x.shape[0], w_c.shape[0]
     if fused is None or n == 0 or not _can_compact():
         return None
-    # the partial statistics and the gathered rows, within the budget as one chunk
-    if n * (vocab * fused.bytes_per_logit(vocab, False) + x.shape[1] * w_c.element_size()) > plan.budget:
+    # the partial statistics and the gathered rows (plus their cast under autocast), within the budget as one chunk
+    row_bytes = x.element_size() + (0 if x.dtype == w_c.dtype else w_c.element_size())
+    if n * (vocab * fused.bytes_per_logit(vocab, False) + x.shape[1] * row_bytes) > plan.budget:
         return None
     ignore_index = plan.params.ignore_index
     valid = target != ignore_index

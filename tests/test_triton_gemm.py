@@ -156,7 +156,7 @@ def test_no_grad_call_reads_nothing_on_the_host_before_the_gemm(names, reduction
         mock.patch.object(triton_gemm, "forward", forward),
     ):
         loss, stats = hf_flce.fused_linear_cross_entropy(
-            h, w, target, b, backend="triton", reduction=reduction, return_stats=True, prob_weighted=False, **opts
+            h, w, target, b, backend="triton", reduction=reduction, return_stats=True, **opts
         )
     ref_loss, ref_stats = hf_flce.reference_linear_cross_entropy(
         *(None if t is None else t.double() for t in (h, w)),
