@@ -19,6 +19,8 @@
 7. ``host``: the host's share. Per shape, one no-grad call under torch.profiler: the logits GEMM kernel against one
    cuBLAS GEMM, and how long after the call's first kernel it started (the launches and the compaction sync before
    it, which an isolated call waits for). Then the host time per call at a shape whose GPU work is tiny.
+8. ``timeline``: one no-grad call and one fwd+bwd call under torch.profiler (host and GPU): every kernel's start and
+   duration from the moment the call was entered, and when the call returned: what an isolated call's time is made of.
 """
 
 from __future__ import annotations
@@ -417,13 +419,18 @@ def hopper(name: str) -> dict:
 HOST_SHAPE = (256, 4096, 32768)
 
 
-def host(name: str) -> dict:
-    """The no-grad call's GPU timeline: the GEMM kernel against cuBLAS and the time before it starts."""
+def _call_inputs(name: str):
+    """The shape's softcap, inputs (also detached) and the time of one cuBLAS GEMM of it."""
     n, h, v = SHAPES[name]
     softcap = 30.0 if name == "gemma2-2b" else None
     x, w, y = inputs(n, h, v)
     xd, wd = x.detach(), w.detach()
-    one = timed(lambda: torch.mm(xd, wd.T))
+    return softcap, x, w, y, xd, wd, timed(lambda: torch.mm(xd, wd.T))
+
+
+def host(name: str) -> dict:
+    """The no-grad call's GPU timeline: the GEMM kernel against cuBLAS and the time before it starts."""
+    softcap, x, w, y, xd, wd, one = _call_inputs(name)
 
     def no_grad():
         return hf_flce.fused_linear_cross_entropy(xd, wd, y, softcap=softcap)
@@ -450,6 +457,48 @@ def host(name: str) -> dict:
         kernels_before_gemm=sum(e.time_range.start < gemm.time_range.start for e in kernels),
     )
     print(f"{name:>11} host: " + " ".join(f"{k}={val:.3f}" for k, val in row.items() if k != "shape"), flush=True)
+    return row
+
+
+def _call_timeline(fn) -> dict:
+    """Kernels of one call of ``fn`` (after an untimed one): start and duration in µs from the call's entry on the host."""
+    fn()
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        with torch.profiler.record_function("flce_call"):
+            fn()
+        torch.cuda.synchronize()
+    events = prof.events()
+    call = next(e for e in events if e.name == "flce_call")
+    t0 = call.time_range.start
+    kernels = sorted(
+        (e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and e.name != "flce_call"),
+        key=lambda e: e.time_range.start,
+    )
+    rows = [
+        (e.name[:60], round(e.time_range.start - t0, 1), round(e.time_range.end - e.time_range.start, 1))
+        for e in kernels
+    ]
+    return dict(host_return_us=round(call.time_range.end - t0, 1), kernels=rows)
+
+
+def timeline(name: str) -> dict:
+    """Where an isolated call's time goes: host work before the first kernel, gaps, every kernel, the end."""
+    softcap, x, w, y, xd, wd, one = _call_inputs(name)
+    calls = {
+        "no_grad": lambda: hf_flce.fused_linear_cross_entropy(xd, wd, y, softcap=softcap),
+        "fwd_bwd": lambda: torch.autograd.grad(hf_flce.fused_linear_cross_entropy(x, w, y, softcap=softcap), (x, w)),
+    }
+    row = dict(shape=name, gemm_ms=one)
+    for label, fn in calls.items():
+        row[f"{label}_ms"] = timed(fn)
+        row[label] = _call_timeline(fn)
+        busy = sum(d for _, _, d in row[label]["kernels"]) / 1e3
+        print(f"{name:>11} {label}: {row[f'{label}_ms']:.3f} ms (cuBLAS GEMM {one:.3f}), kernels {busy:.3f} ms")
+        for k, start, dur in row[label]["kernels"]:
+            print(f"      {start:10.1f} {dur:9.1f}  {k}")
+        print(f"      host returned at {row[label]['host_return_us']:.1f} us", flush=True)
     return row
 
 
@@ -500,6 +549,7 @@ def main() -> None:
         epilogue=[],
         hopper=[],
         host=[],
+        timeline=[],
     )
     for name in args.shapes.split(","):
         if "budget" in sections:
@@ -516,6 +566,8 @@ def main() -> None:
             result["hopper"].append(hopper(name))
         if "host" in sections:
             result["host"].append(host(name))
+        if "timeline" in sections:
+            result["timeline"].append(timeline(name))
         torch.cuda.empty_cache()
     if "host" in sections:
         result["host"].append(host_per_call())

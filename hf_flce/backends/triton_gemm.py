@@ -42,7 +42,7 @@ import triton.language as tl
 
 from . import triton_interpreting
 from .base import TileParams, TileStats
-from .triton_tiles import TritonTileOps, _transform, logit_grad, row_grad_coefs, sm_count
+from .triton_tiles import TritonTileOps, _transform, fast_exp, fast_log, logit_grad, row_grad_coefs, sm_count
 
 MODE_STATS = 0  # partial statistics only (no gradient wanted: eval, reference models)
 MODE_KEEP = 1  # partial statistics and e = exp(t - m_tile) in fp16, for the gradient pass
@@ -339,7 +339,7 @@ def _head_gemm_kernel(
                     HAS_ZLOSS,
                 )
                 # ignored rows: exp(-inf) = 0, so nothing overflows against their placeholder lse
-                p = tl.exp(tl.where(valid[:, None], t - lse[:, None], float("-inf")))
+                p = fast_exp(tl.where(valid[:, None], t - lse[:, None], float("-inf")))
                 is_y = cols[None, :] == y[:, None]
                 g = logit_grad(p, t, is_y, p_coef, onehot_coef, g_entropy, HAS_GE) - smooth_coef
                 if HAS_SOFTCAP or HAS_TEMPERATURE:
@@ -353,7 +353,7 @@ def _head_gemm_kernel(
                 if RAGGED == 1:
                     t = tl.where(col_ok[None, :], t, float("-inf"))
                 m = tl.max(t, 1)
-                e = tl.exp(t - m[:, None])
+                e = fast_exp(t - m[:, None])
                 part = part_ptr + pid_n * N + rows
                 tl.store(part, m, mask=row_ok)
                 tl.store(part + stat_stride, tl.sum(e, 1), mask=row_ok)
@@ -475,7 +475,7 @@ def _merge_kernel(
         m = tl.load(part_ptr + offs, mask=mask, other=_NEG_BIG)
         shift = tl.where(mask, m - row_max[None, :], 0.0)
         # a partial with max m holds sums relative to m: relative to the row max they scale by exp(m - row_max)
-        scale = tl.where(mask, tl.exp(shift), 0.0)
+        scale = tl.where(mask, fast_exp(shift), 0.0)
         s = tl.load(part_ptr + stat_stride + offs, mask=mask, other=0.0)
         sum_e += tl.sum(scale * s, 0)
         if ENTROPY:
@@ -587,11 +587,11 @@ def _grad_from_e_kernel(
     mask = row_ok[:, None] & (cols < V)[None, :]
     e = tl.load(e_ptr + rows.to(tl.int64)[:, None] * stride_en + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     # p = e exp(m - lse); m <= lse, so the factor is at most 1
-    p = e * tl.where(valid, tl.exp(m - lse), 0.0)[:, None]
+    p = e * tl.where(valid, fast_exp(m - lse), 0.0)[:, None]
     is_y = cols[None, :] == y[:, None]
     if HAS_GE or HAS_SOFTCAP:
         # t_j = m + log e_j; where e_j underflowed to 0, p_j t_j -> 0
-        t = tl.where(e > 0.0, m[:, None] + tl.log(tl.maximum(e, 1e-30)), 0.0)
+        t = tl.where(e > 0.0, m[:, None] + fast_log(tl.maximum(e, 1e-30)), 0.0)
     else:
         t = e  # not read without entropy gradients or softcap
     if HAS_SOFTCAP:

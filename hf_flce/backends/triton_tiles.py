@@ -15,29 +15,55 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
+from . import triton_interpreting
 from .base import TileParams, TileStats
 
 # Start of the running max: finite, so that exp(m_old - m_new) and (m_old - m_new) * 0 never give NaN.
 _NEG_BIG = tl.constexpr(-3.0e38)
+# Compiled kernels take libdevice's fast log and division (one hardware instruction each); the interpreter has no
+# libdevice. Triton decides interpretation when a kernel is defined, as this does.
+_COMPILED = tl.constexpr(not triton_interpreting())
+_LOG2E = tl.constexpr(1.4426950408889634)
+_LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def fast_exp(x):
+    """exp(x) as one hardware ex2. ``tl.exp`` adds a fix-up for results below 2**-126 (three more instructions per
+    element); here they flush to 0, below anything a float32 sum or a 16-bit store can hold."""
+    return tl.exp2(x * _LOG2E)
+
+
+@triton.jit
+def fast_log(x):
+    """log(x) for x > 0 by the hardware lg2 (absolute error ~1e-7). ``tl.log`` is libdevice's ~30-instruction
+    ``logf``."""
+    if _COMPILED:
+        return libdevice.fast_log2f(x) * _LN2
+    else:
+        return tl.log(x)
+
+
+@triton.jit
+def _reciprocal(x):
+    """1 / x by the hardware's approximate reciprocal (~1 ulp), without the range checks of ``tl.fdiv``."""
+    if _COMPILED:
+        return libdevice.fast_dividef(1.0, x)
+    else:
+        return 1.0 / x
 
 
 @triton.jit
 def _tanh_and_slope(x):
-    """tanh(x) and 1 - tanh(x)**2, accurate to a few ulp (the interpreter has no libdevice)."""
-    ax = tl.abs(x)
-    e = tl.exp(-2.0 * ax)
-    x2 = x * x
-    # Taylor series of tanh up to x**13: below |x| = 0.4 it beats (1 - e) / (1 + e), which cancels there.
-    poly = -0.008863235529902197 + x2 * 0.003592128036572481
-    poly = 0.021869488536155203 + x2 * poly
-    poly = -0.05396825396825397 + x2 * poly
-    poly = 0.13333333333333333 + x2 * poly
-    poly = -0.3333333333333333 + x2 * poly
-    poly = x + x * x2 * poly
-    r = tl.fdiv(1.0, 1.0 + e, ieee_rounding=False)
+    """tanh(x) and 1 - tanh(x)**2 from e = exp(-2|x|) in (0, 1], which never overflows. Near 0, 1 - e cancels:
+    tanh is then good to ~1e-7 absolute, not relative, which is what a softcapped logit needs (its softmax reads
+    differences of logits)."""
+    e = fast_exp(-2.0 * tl.abs(x))
+    r = _reciprocal(1.0 + e)
     big = (1.0 - e) * r
-    th = tl.where(ax < 0.4, poly, tl.where(x < 0, -big, big))
+    th = tl.where(x < 0, -big, big)
     slope = 4.0 * e * r * r
     return th, slope
 
@@ -91,14 +117,14 @@ def _row_stats(
         block_max = tl.max(t_or_inf, 0)
         # The running max rarely changes after the first blocks: rescale the sums only when it does.
         if block_max > m:
-            alpha = tl.exp(m - block_max)
+            alpha = fast_exp(m - block_max)
             se = (se + (m - block_max) * s) * alpha
             s = s * alpha
             s2 = s2 * (alpha * alpha)
             # strict >: an earlier block keeps a tie, and tl.argmax takes the first index within a block
             best = start + tl.argmax(t_or_inf, 0)
             m = block_max
-        e = tl.exp(t_or_inf - m)
+        e = fast_exp(t_or_inf - m)
         se += e * (t - m)
         s += e
         s2 += e * e
@@ -321,7 +347,7 @@ def _tile_kernel(
                 # Another warp's store below may land on elements this block reads: every load first.
                 tl.debug_barrier()
             t, dt = _transform(z, inv_softcap, t_scale, inv_temperature, HAS_SOFTCAP, HAS_TEMPERATURE)
-            g = logit_grad(tl.exp(t - lse), t, offs == y, p_coef, onehot_coef, g_entropy, HAS_GE)
+            g = logit_grad(fast_exp(t - lse), t, offs == y, p_coef, onehot_coef, g_entropy, HAS_GE)
             if HAS_GL and HAS_SMOOTHING:
                 if HAS_WEIGHT:
                     g -= smooth_coef * tl.load(weight_ptr + offs, mask=in_row, other=0.0)
