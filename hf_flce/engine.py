@@ -129,16 +129,22 @@ def _check_range(low: int, high: int, vocab: int, ignore_index: int) -> None:
 
 
 def kept_rows(
-    target: torch.Tensor, vocab: int, ignore_index: int, compact: bool = True
+    target: torch.Tensor, vocab: int, ignore_index: int, compact: bool = True, fused=None
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """The rows whose target is not ``ignore_index`` (``None`` when that is every row, or when ``compact`` is off)
     and their targets, once each of those targets is checked to lie in ``[0, V)``. Compaction sizes the batch on the
     host, so it costs one sync; that same read brings the kept targets' range, and a bad one raises a ValueError
-    naming it (on every device, never a device-side assert that would poison the CUDA context)."""
+    naming it (on every device, never a device-side assert that would poison the CUDA context). ``fused`` (the
+    epilogue GEMM's module) does the compaction in one launch."""
     n = target.numel()
     if not compact or n == 0:
         check_target_range(target, vocab, ignore_index)
         return None, target
+    if fused is not None:
+        order, kept, summary = fused.kept_order(target, ignore_index)
+        n_kept, low, high = summary.tolist()
+        _check_range(low, high, vocab, ignore_index)
+        return (None, target) if n_kept == n else (order[:n_kept], kept[:n_kept])
     valid = target != ignore_index
     low, high = torch.aminmax(torch.where(valid, target, 0))
     n_kept, low, high = torch.stack((valid.sum(), low, high)).tolist()
@@ -427,17 +433,15 @@ def _statistics_without_sync(x, w_c, bias, target, plan: CallPlan, fused):
     if n * (vocab * fused.bytes_per_logit(vocab, False) + x.shape[1] * row_bytes) > plan.budget:
         return None
     ignore_index = plan.params.ignore_index
-    valid = target != ignore_index
-    order = torch.nonzero_static(valid, size=n, fill_value=n).squeeze(1)
-    # rows past the count are never computed: they gather the last row, with an ignore_index target
-    x_kept = compute_operand(x.index_select(0, order.clamp(max=n - 1)), plan)
-    y_kept = torch.nn.functional.pad(target, (0, 1), value=ignore_index).index_select(0, order)
-    stats, _ = fused.forward(x_kept, w_c, bias, y_kept, plan.params, False, valid.sum(dtype=torch.int32))
-    low, high = torch.aminmax(torch.where(valid, target, 0))
+    # the kept rows first; the GEMM reads their count from summary[0], and rows past it are never computed
+    order, y_kept, summary = fused.kept_order(target, ignore_index)
+    x_kept = compute_operand(x.index_select(0, order), plan)
+    stats, _ = fused.forward(x_kept, w_c, bias, y_kept, plan.params, False, summary)
     if plan.prob_weighted:
         stats.loss = stats.loss * torch.exp(stats.logprob)
+    valid = target != ignore_index
     outputs = _outputs(stats, plan, lambda values: values.new_zeros(n).masked_scatter_(valid, values))
-    _check_range(*torch.stack((low, high)).tolist(), vocab, ignore_index)
+    _check_range(*summary[1:].tolist(), vocab, ignore_index)
     return outputs
 
 
@@ -452,7 +456,7 @@ def _forward(x, weight, bias, target, plan: CallPlan, needs_input_grad) -> tuple
         outputs = _statistics_without_sync(x, w_c, bias, target, plan, fused)
         if outputs is not None:
             return outputs, None
-    rows, ys = kept_rows(target, vocab, plan.params.ignore_index, _can_compact())
+    rows, ys = kept_rows(target, vocab, plan.params.ignore_index, _can_compact(), fused)
     n_valid = ys.shape[0]
 
     eager = need_grad and plan.reduction == "scalar"

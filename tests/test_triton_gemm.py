@@ -147,7 +147,7 @@ def test_no_grad_call_reads_nothing_on_the_host_before_the_gemm(names, reduction
     real_forward = triton_gemm.forward
 
     def forward(*args, **kwargs):
-        counts.append(args[6].item())
+        counts.append(args[6][0].item())
         return real_forward(*args, **kwargs)
 
     with (
@@ -171,6 +171,30 @@ def test_no_grad_call_reads_nothing_on_the_host_before_the_gemm(names, reduction
     for name in ("logprobs", "entropy", "lse", "mean_logit", "log_sum_sq_probs"):
         assert_close(getattr(stats, name), ref_stats[name], TOL, name)
     assert torch.equal(stats.is_top1.cpu(), ref_stats["is_top1"].cpu())
+
+
+@pytest.mark.parametrize("n", [1, 7, 4096, 5003])
+def test_kept_order_matches_torch(n):
+    gen = torch.Generator().manual_seed(n)
+    target = torch.randint(0, 50, (n,), generator=gen)
+    target[torch.rand(n, generator=gen) < 0.3] = -100
+    target[n // 3 : n // 2] = -100  # a prompt-like span
+    target = target.to(DEVICE)
+    for t in (target, torch.full_like(target, -100), target.clamp(min=0)):
+        order, kept, summary = triton_gemm.kept_order(t, -100)
+        valid = t != -100
+        rows = valid.nonzero().squeeze(1)
+        count = rows.numel()
+        assert summary[0].item() == count
+        assert torch.equal(order[:count], rows) and torch.equal(kept[:count], t[rows])
+        assert bool((order[count:] == n - 1).all()) and bool((kept[count:] == -100).all())
+        low, high = (t[rows].min().item(), t[rows].max().item()) if count else (0, 0)
+        assert summary[1:].tolist() == [min(low, 0), max(high, 0)]
+    bad = target.clone()
+    bad[n - 1] = 2**40
+    assert triton_gemm.kept_order(bad, -100)[2][2].item() == 2**40
+    bad[0] = -7
+    assert triton_gemm.kept_order(bad, -100)[2][1].item() == -7
 
 
 def test_no_grad_call_bad_targets_and_edge_batches(fused_calls):

@@ -248,7 +248,7 @@ def _head_gemm_kernel(
     are computed (a count the host never reads); N stays the stride of the partials."""
     M = N
     if ROWS_ON_DEVICE:
-        M = tl.load(rows_ptr)
+        M = tl.load(rows_ptr).to(tl.int32)
     tiles_m = tl.cdiv(M, BM)
     tiles_n = tl.cdiv(V, BN)
     full_n = V // BN
@@ -376,6 +376,50 @@ def _head_gemm_kernel(
                         out_desc.store([pid_m * BM, pid_n * BN], e.to(tl.float16))
                     else:
                         tl.store(out_ptrs, e.to(tl.float16), mask=out_mask)
+
+
+@triton.jit
+def _kept_order_kernel(y_ptr, N, ignore_index, order_ptr, y_out_ptr, summary_ptr, BLOCK: tl.constexpr):
+    """One program over the N targets: the kept rows' indices and targets first, in order (slots from a running
+    prefix sum), then ``N - 1`` and ``ignore_index`` in the remaining slots; ``summary`` = (kept count, lowest kept
+    target, highest), the targets' range being 0 where none is kept."""
+    offs = tl.arange(0, BLOCK)
+    count = tl.zeros((), tl.int32)
+    low = tl.zeros((), tl.int64)
+    high = tl.zeros((), tl.int64)
+    for start in range(0, N, BLOCK):
+        idx = start + offs
+        y = tl.load(y_ptr + idx, mask=idx < N, other=ignore_index)
+        keep = y != ignore_index
+        k = keep.to(tl.int32)
+        slot = count + tl.cumsum(k, 0) - k
+        tl.store(order_ptr + slot, idx.to(tl.int64), mask=keep)
+        tl.store(y_out_ptr + slot, y, mask=keep)
+        y_kept = tl.where(keep, y, 0)
+        low = tl.minimum(low, tl.min(y_kept, 0))
+        high = tl.maximum(high, tl.max(y_kept, 0))
+        count += tl.sum(k, 0)
+    for start in range(0, N, BLOCK):
+        idx = start + offs
+        rest = (idx >= count) & (idx < N)
+        tl.store(order_ptr + idx, tl.full((BLOCK,), N - 1, tl.int64), mask=rest)
+        tl.store(y_out_ptr + idx, tl.full((BLOCK,), ignore_index, tl.int64), mask=rest)
+    tl.store(summary_ptr, count.to(tl.int64))
+    tl.store(summary_ptr + 1, low)
+    tl.store(summary_ptr + 2, high)
+
+
+def kept_order(target: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Compaction in one launch that the host need not wait for: ``order`` (int64 [N], the kept rows first and in
+    order, then ``N - 1``), their targets (then ``ignore_index``) and ``summary`` (int64 [3]: the kept count, the
+    lowest and the highest kept target), which one host read can bring back with the range check."""
+    n = target.numel()
+    order = torch.empty(n, dtype=torch.int64, device=target.device)
+    kept = torch.empty(n, dtype=torch.int64, device=target.device)
+    summary = torch.empty(3, dtype=torch.int64, device=target.device)
+    with TritonTileOps._device_guard(target.device):
+        _kept_order_kernel[(1,)](target, n, ignore_index, order, kept, summary, BLOCK=4096, num_warps=8)
+    return order, kept, summary
 
 
 @triton.jit
@@ -790,8 +834,9 @@ def forward(
     rows_on_device: torch.Tensor | None = None,
 ) -> tuple[TileStats, KeptSoftmax | None]:
     """Statistics of every row of ``x W^T + b`` (and, with ``keep``, what the gradient pass needs), without ever
-    materialising the logits. ``rows_on_device`` (int32 0-d, statistics only): the GEMM computes only that many
-    leading rows, a count the host need not read; the rows after it must have ``ignore_index`` targets."""
+    materialising the logits. ``rows_on_device`` (an integer tensor, statistics only): the GEMM computes only as many
+    leading rows as its first element says, a count the host need not read; the rows after them must have
+    ``ignore_index`` targets."""
     n, vocab = x.shape[0], params.vocab
     dev = x.device
     f32 = dict(dtype=torch.float32, device=dev)
