@@ -12,6 +12,7 @@ Two strategies, picked per call:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
@@ -337,13 +338,15 @@ def _fused_head(plan: CallPlan, x: torch.Tensor, weight: torch.Tensor, bias: tor
     return fused if _gemm_path_allowed(plan, weight) else None
 
 
-def _chunk_forward(x_chunk, w_c, bias, ys, plan: CallPlan, fused, scale, eager: bool, keep: bool):
+def _chunk_forward(x_chunk, w_c, bias, ys, plan: CallPlan, fused, grad_scale, eager: bool, keep: bool):
     """One chunk: its row statistics, the detached target probability (DFT only), for a scalar loss the logits
-    gradient times ``scale`` (one value per row), and with ``keep`` what the per-token backward reuses."""
+    gradient times ``grad_scale()`` (one value per row, asked for once the logits GEMM is launched), and with ``keep``
+    what the per-token backward reuses."""
     if fused is not None:
         stats, kept = fused.forward(x_chunk, w_c, bias, ys, plan.params, keep=eager or keep)
     else:
         kept = compute_logits(x_chunk, w_c, bias, _logits_16bit(plan, x_chunk, bias))
+    scale = grad_scale()[: x_chunk.shape[0]] if eager else None
     grad_out = prob = None
     if fused is None and eager and not plan.prob_weighted:
         # statistics and gradient in one pass over the logits
@@ -481,16 +484,20 @@ def _forward(x, weight, bias, target, plan: CallPlan, needs_input_grad) -> tuple
     grads = None
     if eager:
         grads = _GradBuffers(n, x.dtype, w_c, weight.dtype, n_chunks, need_dx, need_dw, need_db, rows, residual)
-    grad_scale = None
-    if eager:
-        grad_scale = (1.0 / plan.denominator()).to(torch.float32).expand(min(chunk, max(n_valid, 1)))
+    rows_per_chunk = min(chunk, max(n_valid, 1))
+
+    # Asked for after the first GEMM's launch: the denominator's few small launches then run under that GEMM
+    # instead of delaying it (an isolated call's GPU waits for every host step before the GEMM).
+    @functools.cache
+    def grad_scale() -> torch.Tensor:
+        return (1.0 / plan.denominator()).to(torch.float32).expand(rows_per_chunk)
+
     kept = None
     chunk_stats, chunk_probs = [], []
     for start, end in _chunks(n_valid, chunk):
         x_chunk = _chunk_rows(x, rows, start, end, plan)
-        scale = None if grad_scale is None else grad_scale[: end - start]
         stats, prob, grad_out, kept_chunk = _chunk_forward(
-            x_chunk, w_c, bias, ys[start:end], plan, fused, scale, eager, keep_logits
+            x_chunk, w_c, bias, ys[start:end], plan, fused, grad_scale, eager, keep_logits
         )
         chunk_stats.append(stats)
         chunk_probs.append(prob)

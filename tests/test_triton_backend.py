@@ -292,6 +292,28 @@ def test_tiles_match_float64(names, grad_dtype):
         assert not grad[target == -100].any()
 
 
+def test_scale_into_in_place_and_cast():
+    ops = TritonTileOps()
+    gen = torch.Generator().manual_seed(3)
+    src = torch.randn(5003, generator=gen).to(DEVICE)
+    # within one bf16 rounding: the interpreter's float32 -> bf16 conversion truncates, the GPU's rounds to nearest
+    close = dict(rtol=2**-7, atol=0.0)
+    for value in (1.0, 0.5, -3.0):
+        scale = torch.tensor(value, device=DEVICE)
+        g = src.to(torch.bfloat16)
+        before = g.clone()
+        # in place (a 16-bit gradient times the loss's upstream gradient); a scale of 1 leaves it as it is
+        assert ops.scale_into(g, scale, g) is g
+        if value == 1.0:
+            assert torch.equal(g, before)
+        else:
+            torch.testing.assert_close(g.float(), before.float() * value, **close)
+        # a float32 accumulator into a new 16-bit gradient: the cast happens whatever the scale
+        out = torch.zeros(5003, dtype=torch.bfloat16, device=DEVICE)
+        ops.scale_into(src, scale, out)
+        torch.testing.assert_close(out.float(), src * value, **close)
+
+
 def test_tiles_strided_rows_and_expanded_scale():
     rows, v = 6, 100
     logits, target = random_logits(rows, v + 28)

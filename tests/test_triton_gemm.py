@@ -197,6 +197,33 @@ def test_kept_order_matches_torch(n):
     assert triton_gemm.kept_order(bad, -100)[2][1].item() == -7
 
 
+def test_loss_denominator_is_computed_after_the_gemm_launch(fused_calls):
+    from hf_flce import api
+
+    hidden, weight, target, _, _ = build((), n=12, v=70, ignore_every=3)
+    h, w = half(hidden, weight, None)[:2]
+    h.requires_grad_()
+    order = []
+    real_forward, real_denominator = triton_gemm.forward, api.loss_denominator
+
+    def forward(*args, **kwargs):
+        order.append("gemm")
+        return real_forward(*args, **kwargs)
+
+    def denominator(*args, **kwargs):
+        order.append("denominator")
+        return real_denominator(*args, **kwargs)
+
+    with mock.patch.object(triton_gemm, "forward", forward), mock.patch.object(api, "loss_denominator", denominator):
+        loss = hf_flce.fused_linear_cross_entropy(h, w, target, backend="triton")
+        (dx,) = torch.autograd.grad(loss, h)
+    assert order == ["gemm", "denominator"]
+    h64 = h.detach().double().requires_grad_()
+    ref, _ = hf_flce.reference_linear_cross_entropy(h64, w.double(), target)
+    assert_close(loss, ref, TOL, "loss")
+    assert_close(dx, torch.autograd.grad(ref, h64)[0], TOL, "dx")
+
+
 def test_no_grad_call_bad_targets_and_edge_batches(fused_calls):
     hidden, weight, target, _, _ = build((), n=9, v=50)
     h, w = half(hidden, weight, None)[:2]

@@ -359,11 +359,14 @@ def _tile_kernel(
 
 
 @triton.jit
-def _scale_kernel(src_ptr, dst_ptr, scale_ptr, n, BLOCK: tl.constexpr):
-    """dst = src * scale in float32, stored in dst's dtype; the scale is read on the device (no host sync)."""
+def _scale_kernel(src_ptr, dst_ptr, scale_ptr, n, IN_PLACE: tl.constexpr, BLOCK: tl.constexpr):
+    """dst = src * scale in float32, stored in dst's dtype; the scale is read on the device (no host sync). In place,
+    a scale of 1 (a loss's usual upstream gradient) moves no data: every load and store is masked off."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
     scale = tl.load(scale_ptr)
+    if IN_PLACE:
+        n = tl.where(scale != 1.0, n, 0)
+    mask = offs < n
     values = tl.load(src_ptr + offs, mask=mask, other=0.0).to(tl.float32) * scale
     tl.store(dst_ptr + offs, values.to(dst_ptr.dtype.element_ty), mask=mask)
 
@@ -524,7 +527,8 @@ class TritonTileOps:
         if n:
             block = 4096
             with self._device_guard(src.device):
-                _scale_kernel[(triton.cdiv(n, block),)](src, out, scale, n, BLOCK=block, num_warps=8)
+                in_place = src.data_ptr() == out.data_ptr() and src.dtype == out.dtype
+                _scale_kernel[(triton.cdiv(n, block),)](src, out, scale, n, IN_PLACE=in_place, BLOCK=block, num_warps=8)
         return out
 
     def forward(
