@@ -2,8 +2,8 @@
 
 The default on Hopper and newer GPUs (``HF_FLCE_GEMM_EPILOGUE=0`` switches it off, ``=1`` uses it on every GPU).
 Persistent programs walk the tiles with the tile loop flattened into the K loop, so the next tile's loads overlap this
-tile's epilogue. On an H200 the engine's fwd+bwd runs at 1.03-1.09x the 3-GEMM floor for H >= 3584 and 1.21-1.30x for
-thin H (qwen3-0.6b, gemma2-2b), where the per-logit epilogue decides (docs/PERF_NOTES.md, v6 and v10).
+tile's epilogue. On an H200 the engine's fwd+bwd runs at 1.02-1.09x the 3-GEMM floor for H >= 3584 and 1.16-1.28x for
+thin H (qwen3-0.6b, gemma2-2b), where the per-logit epilogue decides (docs/PERF_NOTES.md, v6, v10 and v13).
 
 The tile path (``triton_tiles``) has cuBLAS write float32 logits and reads them back twice: 12 bytes per logit more
 than the floor's bf16 GEMM. Here each ``[BM, BN]`` tile of ``t``, the logits ``z = x W^T + b`` after softcap and
@@ -65,9 +65,11 @@ def _configs():
     # loads the next tile's first operands while this tile's epilogue runs. On an H200 (scripts/
     # probe_gemm_mainloop.py) 128x256 and 256x128 tiles brought the statistics GEMM to 1.00x (H = 4096) and 1.04x
     # (H = 1024) of cuBLAS, against 1.04x / 1.22x with one program per tile; automatic warp specialization gained
-    # nothing over flattening there.
+    # nothing over flattening there. With TMA, 128x256 then beat 256x128 at every reference shape, with and without e
+    # stored (by 1.4-6%, the two forced in turn; docs/PERF_NOTES.md v13), while the autotuner, timing one after the
+    # other, picked 256x128 in 4 of 12 cases: one configuration, so every process runs the same tile.
     plain = ((128, 256, 64, 8, 3), (128, 128, 64, 4, 4))
-    tma = ((128, 256, 64, 8, 3), (256, 128, 64, 8, 3))
+    tma = ((128, 256, 64, 8, 3),)
     return [
         triton.Config(
             {"BM": bm, "BN": bn, "BK": bk, "GROUP_M": 8, "USE_TMA": use_tma, "FLATTEN": True}, num_warps=w, num_stages=s
