@@ -141,9 +141,8 @@ def fused_linear_cross_entropy(
     tiles = resolve_backend(backend, hidden.device)
     vocab, size = weight.shape
     x = hidden.reshape(-1, size)
-    y = target.reshape(-1)
-    if y.dtype != torch.int64:
-        y = y.long()
+    # int64 with unit stride, which the kernels index by (a strided view such as labels[::2] is copied once)
+    y = target.reshape(-1).long().contiguous()
     cw = cw_sum = None
     if class_weight is not None:
         cw = class_weight.detach().to(torch.float32).contiguous()

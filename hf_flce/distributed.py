@@ -337,7 +337,7 @@ def vocab_parallel_linear_cross_entropy(
     else:
         vocab = int(_all_reduce(torch.tensor(local_vocab, device=weight.device), dist.ReduceOp.SUM, process_group))
     x = hidden.reshape(-1, size)
-    y = target.reshape(-1).long()
+    y = target.reshape(-1).long().contiguous()
     valid_count = (y != ignore_index).sum().to(torch.float32)
     params = TileParams(
         vocab=vocab,

@@ -135,6 +135,24 @@ def test_without_compaction(reduction, fused_calls):
     assert fused_calls["forward"] == 1
 
 
+@pytest.mark.parametrize("ignore_every", [0, 3], ids=["none-ignored", "some-ignored"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_strided_targets(ignore_every, reduction, fused_calls):
+    # labels[::2] is a view with stride 2; the epilogue GEMM's kernels index targets with unit stride
+    hidden, weight, target, bias, opts = build((), n=14, ignore_every=ignore_every)
+    wide = torch.full((2 * target.numel(),), 7, dtype=target.dtype, device=target.device)
+    wide[::2] = target
+    strided = wide[::2]
+    assert strided.stride() == (2,) and torch.equal(strided, target)
+    h, w, b = half(hidden, weight, bias)
+    check(h, w, strided, b, tol=TOL, grad_tol=GRAD_TOL, reduction=reduction, **opts)
+    with torch.no_grad():
+        loss = hf_flce.fused_linear_cross_entropy(h, w, strided, b, backend="triton", reduction=reduction)
+    ref, _ = hf_flce.reference_linear_cross_entropy(h.double(), w.double(), target, reduction=reduction)
+    assert_close(loss, ref, TOL, "no-grad loss")
+    assert fused_calls["forward"] == 2
+
+
 @pytest.mark.parametrize("names", FUSABLE, ids=lambda c: "+".join(c) or "plain")
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_no_grad_call_reads_nothing_on_the_host_before_the_gemm(names, reduction, fused_calls):
