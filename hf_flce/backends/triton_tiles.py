@@ -48,7 +48,7 @@ def fast_log(x):
 
 @triton.jit
 def _reciprocal(x):
-    """1 / x by the hardware's approximate reciprocal (~1 ulp), without the range checks of ``tl.fdiv``."""
+    """1 / x by the hardware's approximate division (within 2 ulp), without the range checks of ``tl.fdiv``."""
     if _COMPILED:
         return libdevice.fast_dividef(1.0, x)
     else:
