@@ -442,8 +442,9 @@ def _statistics_without_sync(x, w_c, bias, target, plan: CallPlan, fused):
     stats, _ = fused.forward(x_kept, w_c, bias, y_kept, plan.params, False, summary)
     if plan.prob_weighted:
         stats.loss = stats.loss * torch.exp(stats.logprob)
-    valid = target != ignore_index
-    outputs = _outputs(stats, plan, lambda values: values.new_zeros(n).masked_scatter_(valid, values))
+    # the mask only for outputs placed back per token (a scalar loss without stats needs none)
+    valid = functools.cache(lambda: target != ignore_index)
+    outputs = _outputs(stats, plan, lambda values: values.new_zeros(n).masked_scatter_(valid(), values))
     _check_range(*summary[1:].tolist(), vocab, ignore_index)
     return outputs
 
