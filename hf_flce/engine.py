@@ -208,6 +208,9 @@ class _GradBuffers:
         self.weight_dtype = weight_dtype
 
     def add(self, start, end, grad_logits, x_chunk):
+        if hasattr(grad_logits, "row_scale"):
+            self._add_scaled(start, end, grad_logits, x_chunk)
+            return
         if self.dx is not None:
             if self.rows is not None:
                 same = self.dx.dtype == grad_logits.dtype
@@ -220,14 +223,26 @@ class _GradBuffers:
         if self.residual is not None:
             self.residual.add(grad_logits, x_chunk)
         elif self.need_dw:
-            if self.dw is None and (not self.single or self.weight_dtype == torch.float32):
-                self.dw = dw_product(grad_logits, x_chunk)  # the first chunk initialises the accumulator
-            elif self.single:
-                self.dw = grad_logits.t() @ x_chunk
-            else:
-                dw_product(grad_logits, x_chunk, self.dw)
+            self._add_dw(grad_logits, x_chunk)
         if self.db is not None:
             self.db += grad_logits.sum(0, dtype=torch.float32)
+
+    def _add_dw(self, grad_logits, x_chunk):
+        if self.dw is None and (not self.single or self.weight_dtype == torch.float32):
+            self.dw = dw_product(grad_logits, x_chunk)  # the first chunk initialises the accumulator
+        elif self.single:
+            self.dw = grad_logits.t() @ x_chunk
+        else:
+            dw_product(grad_logits, x_chunk, self.dw)
+
+    def _add_scaled(self, start, end, grad, x_chunk):
+        """A ``ScaledGradient`` (``backends/triton_scaled.py``): ``G = diag(s) E`` plus the target column, so
+        ``dX = s (E W) + c W[y]`` and ``dW = E^T (s X)`` plus ``c x`` added at the target rows."""
+        if self.dx is not None:
+            grad.write_dx(self.weight, self.dx, None if self.rows is None else self.rows[start:end], start)
+        if self.need_dw:
+            self._add_dw(grad.e, grad.x_operand(x_chunk))
+            grad.add_target_rows(self.dw, x_chunk)
 
     def finish(self, scale: torch.Tensor | None = None, scale_into=None):
         """dX, dW (in the weight's dtype) and db, each times ``scale`` (float32 0-d) when given. The buffers are
@@ -338,12 +353,14 @@ def _fused_head(plan: CallPlan, x: torch.Tensor, weight: torch.Tensor, bias: tor
     return fused if _gemm_path_allowed(plan, weight) else None
 
 
-def _chunk_forward(x_chunk, w_c, bias, ys, plan: CallPlan, fused, grad_scale, eager: bool, keep: bool):
+def _chunk_forward(
+    x_chunk, w_c, bias, ys, plan: CallPlan, fused, grad_scale, eager: bool, keep: bool, scaled: bool = False
+):
     """One chunk: its row statistics, the detached target probability (DFT only), for a scalar loss the logits
-    gradient times ``grad_scale()`` (one value per row, asked for once the logits GEMM is launched), and with ``keep``
-    what the per-token backward reuses."""
+    gradient times ``grad_scale()`` (one value per row, asked for once the logits GEMM is launched; with ``scaled``
+    as the epilogue path's ``ScaledGradient``), and with ``keep`` what the per-token backward reuses."""
     if fused is not None:
-        stats, kept = fused.forward(x_chunk, w_c, bias, ys, plan.params, keep=eager or keep)
+        stats, kept = fused.forward(x_chunk, w_c, bias, ys, plan.params, keep=eager or keep, scaled=scaled)
     else:
         kept = compute_logits(x_chunk, w_c, bias, _logits_16bit(plan, x_chunk, bias))
     scale = grad_scale()[: x_chunk.shape[0]] if eager else None
@@ -361,7 +378,9 @@ def _chunk_forward(x_chunk, w_c, bias, ys, plan: CallPlan, fused, grad_scale, ea
         if eager:
             scale = scale * prob
     if eager and grad_out is None:
-        if fused is not None:
+        if scaled:
+            grad_out = kept.times(scale)
+        elif fused is not None:
             grad_out = fused.gradient(kept, ys, stats.lse, stats.entropy, plan.params, x_chunk.dtype, scale)
         else:
             grad_out = _grad_buffer(kept, x_chunk.dtype, plan.tiles)
@@ -483,8 +502,11 @@ def _forward(x, weight, bias, target, plan: CallPlan, needs_input_grad) -> tuple
         chunk, n_chunks = n_valid, 1
 
     grads = None
+    scaled = False
     if eager:
         grads = _GradBuffers(n, x.dtype, w_c, weight.dtype, n_chunks, need_dx, need_dw, need_db, rows, residual)
+        # the gradient as E and row scales (no pass over the logits): not into an int8 residual
+        scaled = fused is not None and residual is None and fused.scaled_gradient_supports(w_c.dtype, bias, plan)
     rows_per_chunk = min(chunk, max(n_valid, 1))
 
     # Asked for after the first GEMM's launch: the denominator's few small launches then run under that GEMM
@@ -498,7 +520,7 @@ def _forward(x, weight, bias, target, plan: CallPlan, needs_input_grad) -> tuple
     for start, end in _chunks(n_valid, chunk):
         x_chunk = _chunk_rows(x, rows, start, end, plan)
         stats, prob, grad_out, kept_chunk = _chunk_forward(
-            x_chunk, w_c, bias, ys[start:end], plan, fused, grad_scale, eager, keep_logits
+            x_chunk, w_c, bias, ys[start:end], plan, fused, grad_scale, eager, keep_logits, scaled
         )
         chunk_stats.append(stats)
         chunk_probs.append(prob)

@@ -29,6 +29,10 @@ left there carries ``p_j < 2**-24`` and vanishes, except label smoothing's ``-sm
 smoothing keeps the tile path. When the lse is already known (a per-token backward that recomputes the logits), the
 epilogue writes ``g`` itself, with the exact ``dt``. Class weights are not handled here: the engine keeps the tile path
 for them.
+
+A scalar loss on bf16 operands (no bias, no label smoothing) skips the gradient pass: ``MODE_SCALED`` stores
+``E = exp(t - t_y - 32) dt`` in bf16 against one reference per row, known before the GEMM, and the gradient GEMMs take
+``E`` with row scales (``triton_scaled.py``). The pass over stored ``e`` remains for the other calls.
 """
 
 from __future__ import annotations
@@ -40,13 +44,14 @@ import torch
 import triton
 import triton.language as tl
 
-from . import triton_interpreting
+from . import triton_interpreting, triton_scaled
 from .base import TileParams, TileStats
 from .triton_tiles import TritonTileOps, _transform, fast_exp, fast_log, logit_grad, row_grad_coefs, sm_count
 
 MODE_STATS = 0  # partial statistics only (no gradient wanted: eval, reference models)
 MODE_KEEP = 1  # partial statistics and e = exp(t - m_tile) in fp16, for the gradient pass
 MODE_GRAD = 2  # the logits gradient, from a known lse
+MODE_SCALED = 3  # partial statistics and E = exp(t - t_y - REF_OFFSET) dt in bf16: the gradient up to a row scale
 
 _NEG_BIG = tl.constexpr(-3.0e38)
 _N_STATS = 5  # m, sum e, sum e (t - m), sum e**2, sum t
@@ -197,6 +202,7 @@ def _head_gemm_kernel(
     stride_wv,
     bias_ptr,
     y_ptr,
+    ty_ptr,
     out_ptr,
     stride_on,
     part_ptr,
@@ -220,6 +226,7 @@ def _head_gemm_kernel(
     smoothing,
     smooth_over_v,
     z_loss,
+    ref_offset,
     MODE: tl.constexpr,
     ROWS_ON_DEVICE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -378,6 +385,18 @@ def _head_gemm_kernel(
                         out_desc.store([pid_m * BM, pid_n * BN], e.to(tl.float16))
                     else:
                         tl.store(out_ptrs, e.to(tl.float16), mask=out_mask)
+                if MODE == 3:
+                    # E = exp(t - m_ref) dt with one reference per row, m_ref = t_y + ref_offset (+inf at ignored
+                    # rows: E = 0 there), so the gradient is E times a row scale (triton_scaled.py). Loaded here: on an
+                    # H200 a load before the K loop made the softcap tile 3% slower and the others no faster.
+                    m_ref = tl.load(ty_ptr + rows, mask=row_ok, other=float("inf")) + ref_offset
+                    scaled = e * fast_exp(m - m_ref)[:, None]
+                    if HAS_SOFTCAP or HAS_TEMPERATURE:
+                        scaled *= dt
+                    if TMA_OUT:
+                        out_desc.store([pid_m * BM, pid_n * BN], scaled.to(out_ptr.dtype.element_ty))
+                    else:
+                        tl.store(out_ptrs, scaled.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
@@ -445,7 +464,7 @@ def _target_logit_kernel(
     BR: tl.constexpr,
     BK: tl.constexpr,
 ):
-    """The target logit ``t_y = transform(x_n . w_y + b_y)`` of BR rows as a float32 dot (unset at ignored rows): the
+    """The target logit ``t_y = transform(x_n . w_y + b_y)`` of BR rows as a float32 dot (+inf at ignored rows): the
     GEMM's epilogue would pay a compare and a select on every logit for one value per row."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     row_ok = rows < N
@@ -463,7 +482,7 @@ def _target_logit_kernel(
     if HAS_BIAS:
         z += tl.load(bias_ptr + y_row, mask=valid, other=0.0).to(tl.float32)
     t, _ = _transform(z, inv_softcap, t_scale, inv_temperature, HAS_SOFTCAP, HAS_TEMPERATURE)
-    tl.store(ty_ptr + rows, t, mask=valid)
+    tl.store(ty_ptr + rows, tl.where(valid, t, float("inf")), mask=row_ok)
 
 
 @triton.jit
@@ -686,6 +705,12 @@ def supports(dtype: torch.dtype, weight: torch.Tensor, bias: torch.Tensor | None
     )
 
 
+def scaled_gradient_supports(dtype: torch.dtype, bias: torch.Tensor | None, plan) -> bool:
+    """Whether a scalar loss's gradient comes as a ``triton_scaled.ScaledGradient`` (``forward(scaled=True)``):
+    ``triton_scaled.supports``, unless ``HF_FLCE_SCALED_GRAD=0`` asks for the gradient pass over stored e."""
+    return os.environ.get("HF_FLCE_SCALED_GRAD", "1") != "0" and triton_scaled.supports(dtype, bias, plan.params)
+
+
 def bytes_per_logit(vocab: int, keep: bool = True) -> float:
     """Chunk memory per logit: e (then the gradient) in 16 bits when it is kept, plus the partial statistics."""
     return (2 if keep else 0) + partial_bytes_per_row(vocab) / vocab
@@ -732,7 +757,9 @@ def transform_args(params: TileParams) -> tuple[float, float, float]:
     return 0.0 if params.softcap is None else 1.0 / params.softcap, _t_scale(params), params.inv_temperature
 
 
-def _gemm(x, weight, bias, target, params, mode, out, partials, best, lse, entropy, upstream, rows_on_device=None):
+def _gemm(
+    x, weight, bias, target, params, mode, out, partials, best, lse, entropy, upstream, rows_on_device=None, t_y=None
+):
     n, k = x.shape
     use_tma = _tma_usable(x, weight)
     if use_tma:
@@ -751,6 +778,7 @@ def _gemm(x, weight, bias, target, params, mode, out, partials, best, lse, entro
         weight.stride(0),
         spare if bias is None else bias,
         target,
+        spare if t_y is None else t_y,
         spare if out is None else out,
         0 if out is None else out.stride(0),
         spare if partials is None else partials,
@@ -767,6 +795,7 @@ def _gemm(x, weight, bias, target, params, mode, out, partials, best, lse, entro
         params.label_smoothing,
         params.label_smoothing / params.vocab,
         params.z_loss,
+        triton_scaled.REF_OFFSET,
     )
     flags = dict(
         MODE=mode,
@@ -834,29 +863,42 @@ def forward(
     params: TileParams,
     keep: bool,
     rows_on_device: torch.Tensor | None = None,
-) -> tuple[TileStats, KeptSoftmax | None]:
+    scaled: bool = False,
+) -> tuple[TileStats, KeptSoftmax | triton_scaled.ScaledGradient | None]:
     """Statistics of every row of ``x W^T + b`` (and, with ``keep``, what the gradient pass needs), without ever
     materialising the logits. ``rows_on_device`` (an integer tensor, statistics only): the GEMM computes only as many
     leading rows as its first element says, a count the host need not read; the rows after them must have
-    ``ignore_index`` targets."""
+    ``ignore_index`` targets. ``scaled`` (a scalar loss, ``triton_scaled.supports``): the second result is the
+    logits gradient as a ``ScaledGradient`` per unit of upstream gradient, with no pass over the logits after the
+    GEMM."""
     n, vocab = x.shape[0], params.vocab
     dev = x.device
     f32 = dict(dtype=torch.float32, device=dev)
     f16 = dict(dtype=torch.float16, device=dev)
     if n == 0:
         stats = TileStats.empty(0, dev)
+        if scaled:
+            empty = torch.empty(0, vocab, dtype=x.dtype, device=dev)
+            return stats, triton_scaled.ScaledGradient(empty, stats.loss, stats.loss, target, params.ignore_index)
         empty = torch.empty(0, vocab, dtype=torch.float16, device=dev)
         return stats, (KeptSoftmax(empty, stats.loss, 1, stats.loss) if keep else None)
-    mode = MODE_KEEP if keep else MODE_STATS
+    mode = MODE_SCALED if scaled else MODE_KEEP if keep else MODE_STATS
     # Sized for the narrowest tile; the kernel indexes them by the tile width the autotuner picked.
     max_tiles = partial_bytes_per_row(vocab) // (4 * (_N_STATS + 1))
     partials = torch.empty(_N_STATS * max_tiles * n, **f32)
     best = torch.empty(max_tiles * n, dtype=torch.int32, device=dev)
     from . import hopper_head  # builds on this module's jit functions
 
-    warp_specialized = rows_on_device is None and hopper_head.supports(x, weight, bias, params, _stat_flags(params))
-    e = None
-    if keep:
+    warp_specialized = (
+        not scaled and rows_on_device is None and hopper_head.supports(x, weight, bias, params, _stat_flags(params))
+    )
+    e = t_y = None
+    if scaled:
+        e = torch.empty(n, vocab, dtype=x.dtype, device=dev)
+        # the GEMM's row references m = t_y + REF_OFFSET come first
+        t_y = torch.empty(n, **f32)
+        _target_logits(x, weight, bias, target, params, t_y)
+    elif keep:
         e = hopper_head.empty_e(n, vocab, dev) if warp_specialized else torch.empty(n, vocab, **f16)
     with TritonTileOps._device_guard(dev):
         if warp_specialized:
@@ -864,14 +906,15 @@ def forward(
             tile_n = hopper_head.BN
         else:
             config = _gemm(
-                x, weight, bias, target, params, mode, e, partials, best, None, None, (None,) * 3, rows_on_device
+                x, weight, bias, target, params, mode, e, partials, best, None, None, (None,) * 3, rows_on_device, t_y
             )
             # the partials' layout follows the tile width the autotuner picked for this launch
             tile_n = config.kwargs["BN"]
         # allocated after the GEMM's launch: in an isolated call the GPU waits for nothing but the host
         stats = TileStats.empty(n, dev)
-        t_y = torch.empty(n, **f32)
-        _target_logits(x, weight, bias, target, params, t_y)
+        if t_y is None:
+            t_y = torch.empty(n, **f32)
+            _target_logits(x, weight, bias, target, params, t_y)
         n_tiles = triton.cdiv(vocab, tile_n)
         br = 32
         _merge_kernel[(triton.cdiv(n, br),)](
@@ -900,6 +943,8 @@ def forward(
             BT=32,
             num_warps=4,
         )
+    if scaled:
+        return stats, triton_scaled.row_scales(e, x, weight, target, t_y, stats.lse, params, transform_args(params))
     kept = KeptSoftmax(e, partials[: n_tiles * n].view(n_tiles, n), tile_n, t_y) if keep else None
     return stats, kept
 
