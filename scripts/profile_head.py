@@ -21,6 +21,9 @@
    it, which an isolated call waits for). Then the host time per call at a shape whose GPU work is tiny.
 8. ``timeline``: one no-grad call and one fwd+bwd call under torch.profiler (host and GPU): every kernel's start and
    duration from the moment the call was entered, and when the call returned: what an isolated call's time is made of.
+9. ``scaled``: fwd+bwd with the scalar loss's gradient as E and row scales (``backends/triton_scaled.py``, the
+   default) against the gradient pass over stored e (``HF_FLCE_SCALED_GRAD=0``), timed in turns, with each one's CUDA
+   time per kernel.
 """
 
 from __future__ import annotations
@@ -344,19 +347,51 @@ def _interleaved_ms(fns: dict, reps: int = 7) -> dict[str, float]:
     return {k: median(t) for k, t in times.items()}
 
 
-def _with_hopper_head(switch: str, fn):
+def _with_env(variable: str, switch: str, fn):
+    """``fn`` called with the environment variable ``variable`` set to ``switch`` (read by hf_flce at each call)."""
+
     def call():
-        saved = os.environ.get("HF_FLCE_HOPPER_HEAD")
-        os.environ["HF_FLCE_HOPPER_HEAD"] = switch
+        saved = os.environ.get(variable)
+        os.environ[variable] = switch
         try:
             return fn()
         finally:
             if saved is None:
-                os.environ.pop("HF_FLCE_HOPPER_HEAD", None)
+                os.environ.pop(variable, None)
             else:
-                os.environ["HF_FLCE_HOPPER_HEAD"] = saved
+                os.environ[variable] = saved
 
     return call
+
+
+def _with_hopper_head(switch: str, fn):
+    return _with_env("HF_FLCE_HOPPER_HEAD", switch, fn)
+
+
+def scaled(name: str) -> dict:
+    """fwd+bwd with the scalar loss's gradient as E and row scales (``HF_FLCE_SCALED_GRAD=1``, the default) against
+    the gradient pass over stored e (``=0``), timed in turns, and each one's CUDA time per kernel."""
+    n, h, v = SHAPES[name]
+    softcap = 30.0 if name == "gemma2-2b" else None
+    x, w, y = inputs(n, h, v)
+
+    def fwd_bwd():
+        return torch.autograd.grad(hf_flce.fused_linear_cross_entropy(x, w, y, softcap=softcap), (x, w))
+
+    calls = {
+        "scaled": _with_env("HF_FLCE_SCALED_GRAD", "1", fwd_bwd),
+        "pass": _with_env("HF_FLCE_SCALED_GRAD", "0", fwd_bwd),
+    }
+    row = dict(shape=name, floor_ms=floor_ms(n, h, v), **_interleaved_ms(calls, reps=9))
+    row["scaled_over_pass"] = row["scaled"] / row["pass"]
+    for key, fn in calls.items():
+        row[f"kernels_{key}"] = {k[:60]: round(t, 3) for k, t in sorted(_kernel_ms(fn).items(), key=lambda kv: -kv[1])}
+    print(
+        f"[scaled] {name}: scaled {row['scaled']:.2f} ms, pass {row['pass']:.2f} ms, ratio {row['scaled_over_pass']:.3f},"
+        f" scaled / floor {row['scaled'] / row['floor_ms']:.3f}",
+        flush=True,
+    )
+    return row
 
 
 def hopper(name: str) -> dict:
@@ -550,6 +585,7 @@ def main() -> None:
         hopper=[],
         host=[],
         timeline=[],
+        scaled=[],
     )
     for name in args.shapes.split(","):
         if "budget" in sections:
@@ -568,6 +604,8 @@ def main() -> None:
             result["host"].append(host(name))
         if "timeline" in sections:
             result["timeline"].append(timeline(name))
+        if "scaled" in sections:
+            result["scaled"].append(scaled(name))
         torch.cuda.empty_cache()
     if "host" in sections:
         result["host"].append(host_per_call())
