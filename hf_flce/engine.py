@@ -239,7 +239,8 @@ class _GradBuffers:
         """A ``ScaledGradient`` (``backends/triton_scaled.py``): ``G = diag(s) E`` plus the target column, so
         ``dX = s (E W) + c W[y]`` and ``dW = E^T (s X)`` plus ``c x`` added at the target rows."""
         if self.dx is not None:
-            grad.write_dx(self.weight, self.dx, None if self.rows is None else self.rows[start:end], start)
+            ew = mm_fp32(grad.e, self.weight)
+            grad.write_dx(ew, self.weight, self.dx, None if self.rows is None else self.rows[start:end], start)
         if self.need_dw:
             self._add_dw(grad.e, grad.x_operand(x_chunk))
             grad.add_target_rows(self.dw, x_chunk)
@@ -505,8 +506,14 @@ def _forward(x, weight, bias, target, plan: CallPlan, needs_input_grad) -> tuple
     scaled = False
     if eager:
         grads = _GradBuffers(n, x.dtype, w_c, weight.dtype, n_chunks, need_dx, need_dw, need_db, rows, residual)
-        # the gradient as E and row scales (no pass over the logits): not into an int8 residual
-        scaled = fused is not None and residual is None and fused.scaled_gradient_supports(w_c.dtype, bias, plan)
+        # the gradient as E and row scales (no pass over the logits): not into an int8 residual, and on CUDA only
+        # where mm_fp32 keeps E W in float32
+        scaled = (
+            fused is not None
+            and residual is None
+            and (_HAS_MM_OUT_DTYPE or w_c.device.type != "cuda")
+            and fused.scaled_gradient_supports(w_c.dtype, bias, plan)
+        )
     rows_per_chunk = min(chunk, max(n_valid, 1))
 
     # Asked for after the first GEMM's launch: the denominator's few small launches then run under that GEMM

@@ -364,10 +364,6 @@ def _with_env(variable: str, switch: str, fn):
     return call
 
 
-def _with_hopper_head(switch: str, fn):
-    return _with_env("HF_FLCE_HOPPER_HEAD", switch, fn)
-
-
 def scaled(name: str) -> dict:
     """fwd+bwd with the scalar loss's gradient as E and row scales (``HF_FLCE_SCALED_GRAD=1``, the default) against
     the gradient pass over stored e (``=0``), timed in turns, and each one's CUDA time per kernel."""
@@ -435,13 +431,15 @@ def hopper(name: str) -> dict:
         pertoken=(pertoken, row["floor_ms"]),
     )
     for what, (fn, unit) in calls.items():
-        both = {label: _with_hopper_head(switch, fn) for label, switch in (("ws", "1"), ("triton", "0"))}
+        both = {label: _with_env("HF_FLCE_HOPPER_HEAD", switch, fn) for label, switch in (("ws", "1"), ("triton", "0"))}
         for label, ms in _interleaved_ms(both, reps=5).items():
             row[f"{label}_{what}"] = ms / unit
         torch.cuda.empty_cache()
     for what in ("keep", "no_grad", "fwd_bwd"):
         for label, switch in (("ws", "1"), ("triton", "0")):
-            top = sorted(_kernel_ms(_with_hopper_head(switch, calls[what][0])).items(), key=lambda kv: -kv[1])[:6]
+            top = sorted(
+                _kernel_ms(_with_env("HF_FLCE_HOPPER_HEAD", switch, calls[what][0])).items(), key=lambda kv: -kv[1]
+            )[:6]
             row[f"kernels_{label}_{what}"] = {k[:80]: round(ms, 3) for k, ms in top}
         torch.cuda.empty_cache()
     print(name, " ".join(f"{k}={val:.3f}" for k, val in row.items() if isinstance(val, float)), flush=True)

@@ -9,18 +9,12 @@ from unittest import mock
 
 import pytest
 import torch
-from test_triton_backend import DEVICE, build, check, make_inputs
+from test_triton_backend import DEVICE, build, check, make_inputs, rel_err
+from test_triton_gemm import epilogue_on  # noqa: F401 (autouse: the epilogue path on every device)
 
 import hf_flce
 from hf_flce import engine
-from hf_flce.backends import resolve_backend, triton_gemm, triton_scaled
-
-
-@pytest.fixture(autouse=True)
-def epilogue_on():
-    tiles = resolve_backend("triton", DEVICE)
-    with mock.patch.object(tiles, "fused_head", triton_gemm), mock.patch.object(tiles, "gemm_min_capability", 0):
-        yield
+from hf_flce.backends import triton_scaled
 
 
 @pytest.fixture
@@ -52,10 +46,6 @@ def reference_grads(hidden, weight, target, upstream=1.0, **opts):
     loss = hf_flce.reference_linear_cross_entropy(*leaves, target, **opts)[0]
     (loss * upstream).backward()
     return loss.detach(), leaves[0].grad, leaves[1].grad
-
-
-def rel_err(actual, expected):
-    return ((actual.double() - expected).norm() / expected.norm().clamp_min(1e-30)).item()
 
 
 # The interpreter casts float32 to bf16 by truncation (a GPU rounds to nearest, and Triton's rounding option is ignored

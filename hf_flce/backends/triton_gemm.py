@@ -380,23 +380,22 @@ def _head_gemm_kernel(
                     # the first column holding the tile's max
                     first = tl.min(tl.where(t == m[:, None], cols[None, :], 2147483647), 1)
                     tl.store(best_ptr + pid_n * N + rows, first, mask=row_ok)
-                if MODE == 1:
+                if MODE != 0:
+                    stored = e
+                    if MODE == 3:
+                        # E = exp(t - m_ref) dt with one reference per row, m_ref = t_y + ref_offset (+inf at
+                        # ignored rows: E = 0 there), so the gradient is E times a row scale (triton_scaled.py).
+                        # Loaded here: on an H200 a load before the K loop made the softcap tile 3% slower and the
+                        # others no faster.
+                        m_ref = tl.load(ty_ptr + rows, mask=row_ok, other=float("inf")) + ref_offset
+                        stored = e * fast_exp(m - m_ref)[:, None]
+                        if HAS_SOFTCAP or HAS_TEMPERATURE:
+                            stored *= dt
+                    # MODE 1: e in fp16; MODE 3: E in the operands' bf16
                     if TMA_OUT:
-                        out_desc.store([pid_m * BM, pid_n * BN], e.to(tl.float16))
+                        out_desc.store([pid_m * BM, pid_n * BN], stored.to(out_ptr.dtype.element_ty))
                     else:
-                        tl.store(out_ptrs, e.to(tl.float16), mask=out_mask)
-                if MODE == 3:
-                    # E = exp(t - m_ref) dt with one reference per row, m_ref = t_y + ref_offset (+inf at ignored
-                    # rows: E = 0 there), so the gradient is E times a row scale (triton_scaled.py). Loaded here: on an
-                    # H200 a load before the K loop made the softcap tile 3% slower and the others no faster.
-                    m_ref = tl.load(ty_ptr + rows, mask=row_ok, other=float("inf")) + ref_offset
-                    scaled = e * fast_exp(m - m_ref)[:, None]
-                    if HAS_SOFTCAP or HAS_TEMPERATURE:
-                        scaled *= dt
-                    if TMA_OUT:
-                        out_desc.store([pid_m * BM, pid_n * BN], scaled.to(out_ptr.dtype.element_ty))
-                    else:
-                        tl.store(out_ptrs, scaled.to(out_ptr.dtype.element_ty), mask=out_mask)
+                        tl.store(out_ptrs, stored.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit

@@ -43,19 +43,13 @@ from .triton_tiles import TritonTileOps, _transform, fast_exp
 
 REF_OFFSET = 32.0
 REPAIR_ABOVE = 64.0
-_HAS_MM_OUT_DTYPE = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 8)
 
 
 def supports(x_dtype: torch.dtype, bias: torch.Tensor | None, params: TileParams) -> bool:
     """Whether a scalar loss's gradient can be carried as ``E`` and row scales: bf16 operands (fp16 cannot hold
-    ``exp(+-32)``), no bias (its gradient would need ``E^T s``), no label smoothing (its ``-eps/V`` term is no row
-    scale of ``E``), and on CUDA a GEMM with a float32 output (torch >= 2.8)."""
-    return (
-        x_dtype == torch.bfloat16
-        and bias is None
-        and params.label_smoothing == 0.0
-        and (_HAS_MM_OUT_DTYPE or not torch.cuda.is_available())
-    )
+    ``exp(+-32)``), no bias (its gradient would need ``E^T s``) and no label smoothing (its ``-eps/V`` term is no row
+    scale of ``E``)."""
+    return x_dtype == torch.bfloat16 and bias is None and params.label_smoothing == 0.0
 
 
 @triton.jit
@@ -230,7 +224,11 @@ def _target_rows_kernel(
     starts = (pos == first) | (before != v)
     row = tl.load(order_ptr + pos, mask=in_range, other=0)
     c = tl.load(c_ptr + row, mask=in_range, other=0.0)
-    x = tl.load(x_ptr + row.to(tl.int64)[:, None] * stride_xn + cols[None, :], mask=in_range[:, None] & col_ok[None, :])
+    x = tl.load(
+        x_ptr + row.to(tl.int64)[:, None] * stride_xn + cols[None, :],
+        mask=in_range[:, None] & col_ok[None, :],
+        other=0.0,
+    )
     segment_starts = tl.broadcast_to(starts[:, None], (BP, BH))
     sums, _ = tl.associative_scan((c[:, None] * x.to(tl.float32), segment_starts), 0, _add_segments)
     # the block's first run may have begun in an earlier block
@@ -261,13 +259,6 @@ def _target_rows_kernel(
     mask = ends[:, None] & col_ok[None, :]
     value = tl.load(dw_rows, mask=mask, other=0.0).to(tl.float32) + sums
     tl.store(dw_rows, value.to(dw_ptr.dtype.element_ty), mask=mask)
-
-
-def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` with a float32 result and no 16-bit rounding (CPU: upcast operands, for the interpreter's tests)."""
-    if a.device.type == "cuda" and _HAS_MM_OUT_DTYPE:
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return torch.mm(a.float(), b.float())
 
 
 @dataclass
@@ -314,9 +305,12 @@ class ScaledGradient:
             )
         return out
 
-    def write_dx(self, weight: torch.Tensor, dx: torch.Tensor, dst_rows: torch.Tensor | None, row0: int) -> None:
-        """``dx[dst] = s (E W) + c W[y]``, at ``dst_rows`` (compacted rows) or rows ``row0:``."""
-        self._rows(_mm_f32(self.e, weight), dx, weight, dst_rows, row0)
+    def write_dx(
+        self, ew: torch.Tensor, weight: torch.Tensor, dx: torch.Tensor, dst_rows: torch.Tensor | None, row0: int
+    ) -> None:
+        """``dx[dst] = s ew + c W[y]`` from ``ew = E W`` (float32), at ``dst_rows`` (compacted rows) or rows
+        ``row0:``."""
+        self._rows(ew, dx, weight, dst_rows, row0)
 
     def x_operand(self, x: torch.Tensor) -> torch.Tensor:
         """``diag(s) x`` in ``E``'s dtype: dW's second operand."""
