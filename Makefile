@@ -9,6 +9,8 @@ HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/
 
 .PHONY: venv demo test test-gpu test-convergence test-convergence-gpu checkstyle format bench clean
 
+# No pip cache: the wheels would take their size a second time (triton alone is ~1 GB installed) on a small disk.
+$(VENV)/.installed: export PIP_NO_CACHE_DIR := 1
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
