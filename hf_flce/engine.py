@@ -453,7 +453,7 @@ def _statistics_without_sync(x, w_c, bias, target, plan: CallPlan, fused):
         return None
     # the partial statistics and the gathered rows (plus their cast under autocast), within the budget as one chunk
     row_bytes = x.element_size() + (0 if x.dtype == w_c.dtype else w_c.element_size())
-    if n * (vocab * fused.bytes_per_logit(vocab, False) + x.shape[1] * row_bytes) > plan.budget:
+    if n * (vocab * fused.bytes_per_logit(vocab, plan.params, False) + x.shape[1] * row_bytes) > plan.budget:
         return None
     ignore_index = plan.params.ignore_index
     # the kept rows first; the GEMM reads their count from summary[0], and rows past it are never computed
@@ -489,8 +489,8 @@ def _forward(x, weight, bias, target, plan: CallPlan, needs_input_grad) -> tuple
     logits_16bit = fused is None and _logits_16bit(plan, x, bias)
     if fused is not None:
         # without a gradient in forward only the partial statistics take memory; kept logits are one chunk
-        per_logit = fused.bytes_per_logit(vocab, keep=eager)
-        kept_per_logit = fused.bytes_per_logit(vocab)
+        per_logit = fused.bytes_per_logit(vocab, plan.params, keep=eager)
+        kept_per_logit = fused.bytes_per_logit(vocab, plan.params)
     else:
         per_logit = _bytes_per_logit(plan, (plan.compute_dtype or x.dtype) if eager else None, logits_16bit)
         kept_per_logit = 2 if logits_16bit else 4

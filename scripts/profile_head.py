@@ -24,6 +24,8 @@
 9. ``scaled``: fwd+bwd with the scalar loss's gradient as E and row scales (``backends/triton_scaled.py``, the
    default) against the gradient pass over stored e (``HF_FLCE_SCALED_GRAD=0``), timed in turns, with each one's CUDA
    time per kernel.
+10. ``reference``: fwd+bwd, the no-grad forward and the per-token path with every tile's softmax sums relative to the
+   row's ``t_y + 32`` (``HF_FLCE_ROW_REFERENCE=1``, the default) against the tile's own max (``=0``), in turns.
 """
 
 from __future__ import annotations
@@ -364,29 +366,54 @@ def _with_env(variable: str, switch: str, fn):
     return call
 
 
-def scaled(name: str) -> dict:
-    """fwd+bwd with the scalar loss's gradient as E and row scales (``HF_FLCE_SCALED_GRAD=1``, the default) against
-    the gradient pass over stored e (``=0``), timed in turns, and each one's CUDA time per kernel."""
+def switch_ab(name: str, variable: str, whats: tuple[str, ...] = ("fwd_bwd",)) -> dict:
+    """The calls ``whats`` (fwd_bwd, no_grad, pertoken) with the environment switch ``variable`` at "1" and at "0",
+    timed in turns: ms of each, ``on ÷ off`` and ``÷`` the floor (fwd_bwd, pertoken) or one GEMM (no_grad), and
+    each one's CUDA time per kernel. ``scaled``: ``HF_FLCE_SCALED_GRAD``; ``reference``: ``HF_FLCE_ROW_REFERENCE``."""
     n, h, v = SHAPES[name]
     softcap = 30.0 if name == "gemma2-2b" else None
     x, w, y = inputs(n, h, v)
+    g = torch.randn(n, device="cuda")
 
     def fwd_bwd():
         return torch.autograd.grad(hf_flce.fused_linear_cross_entropy(x, w, y, softcap=softcap), (x, w))
 
-    calls = {
-        "scaled": _with_env("HF_FLCE_SCALED_GRAD", "1", fwd_bwd),
-        "pass": _with_env("HF_FLCE_SCALED_GRAD", "0", fwd_bwd),
-    }
-    row = dict(shape=name, floor_ms=floor_ms(n, h, v), **_interleaved_ms(calls, reps=9))
-    row["scaled_over_pass"] = row["scaled"] / row["pass"]
-    for key, fn in calls.items():
-        row[f"kernels_{key}"] = {k[:60]: round(t, 3) for k, t in sorted(_kernel_ms(fn).items(), key=lambda kv: -kv[1])}
-    print(
-        f"[scaled] {name}: scaled {row['scaled']:.2f} ms, pass {row['pass']:.2f} ms, ratio {row['scaled_over_pass']:.3f},"
-        f" scaled / floor {row['scaled'] / row['floor_ms']:.3f}",
-        flush=True,
-    )
+    def no_grad():
+        with torch.no_grad():
+            return hf_flce.fused_linear_cross_entropy(x, w, y, softcap=softcap)
+
+    def pertoken():
+        loss = hf_flce.fused_linear_cross_entropy(x, w, y, reduction="none", softcap=softcap)
+        return torch.autograd.grad((loss * g).sum(), (x, w))
+
+    fns = dict(fwd_bwd=fwd_bwd, no_grad=no_grad, pertoken=pertoken)
+    xd, wd = x.detach(), w.detach()
+    row = dict(shape=name, variable=variable, floor_ms=floor_ms(n, h, v), gemm_ms=timed(lambda: torch.mm(xd, wd.T)))
+    for what in whats:
+        calls = {label: _with_env(variable, switch, fns[what]) for label, switch in (("on", "1"), ("off", "0"))}
+        ms = _interleaved_ms(calls, reps=9)
+        unit = row["gemm_ms"] if what == "no_grad" else row["floor_ms"]
+        row[what] = dict(
+            on_ms=ms["on"],
+            off_ms=ms["off"],
+            on_over_off=ms["on"] / ms["off"],
+            on_over_unit=ms["on"] / unit,
+            off_over_unit=ms["off"] / unit,
+            **{
+                f"kernels_{label}": {
+                    k[:60]: round(t, 3) for k, t in sorted(_kernel_ms(fn).items(), key=lambda kv: -kv[1])[:12]
+                }
+                for label, fn in calls.items()
+            },
+        )
+        torch.cuda.empty_cache()
+        r = row[what]
+        print(
+            f"[{variable}] {name} {what}: on {r['on_ms']:.2f} ms, off {r['off_ms']:.2f} ms, on/off "
+            f"{r['on_over_off']:.3f}; ÷ {'GEMM' if what == 'no_grad' else 'floor'} on {r['on_over_unit']:.3f}, "
+            f"off {r['off_over_unit']:.3f}",
+            flush=True,
+        )
     return row
 
 
@@ -513,7 +540,16 @@ def _call_timeline(fn) -> dict:
         (e.name[:60], round(e.time_range.start - t0, 1), round(e.time_range.end - e.time_range.start, 1))
         for e in kernels
     ]
-    return dict(host_return_us=round(call.time_range.end - t0, 1), kernels=rows)
+    # host calls that wait for the GPU (a host read, a synchronisation)
+    waits = [
+        (e.name, round(e.time_range.start - t0, 1), round(e.time_range.end - e.time_range.start, 1))
+        for e in events
+        if e.device_type == torch.autograd.DeviceType.CPU and e.name in _HOST_WAITS
+    ]
+    return dict(host_return_us=round(call.time_range.end - t0, 1), kernels=rows, host_waits=waits)
+
+
+_HOST_WAITS = ("aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 
 
 def timeline(name: str) -> dict:
@@ -531,6 +567,8 @@ def timeline(name: str) -> dict:
         print(f"{name:>11} {label}: {row[f'{label}_ms']:.3f} ms (cuBLAS GEMM {one:.3f}), kernels {busy:.3f} ms")
         for k, start, dur in row[label]["kernels"]:
             print(f"      {start:10.1f} {dur:9.1f}  {k}")
+        for k, start, dur in row[label]["host_waits"]:
+            print(f"      host {start:10.1f} {dur:9.1f}  {k}")
         print(f"      host returned at {row[label]['host_return_us']:.1f} us", flush=True)
     return row
 
@@ -584,6 +622,7 @@ def main() -> None:
         host=[],
         timeline=[],
         scaled=[],
+        reference=[],
     )
     for name in args.shapes.split(","):
         if "budget" in sections:
@@ -603,7 +642,9 @@ def main() -> None:
         if "timeline" in sections:
             result["timeline"].append(timeline(name))
         if "scaled" in sections:
-            result["scaled"].append(scaled(name))
+            result["scaled"].append(switch_ab(name, "HF_FLCE_SCALED_GRAD"))
+        if "reference" in sections:
+            result["reference"].append(switch_ab(name, "HF_FLCE_ROW_REFERENCE", ("fwd_bwd", "no_grad", "pertoken")))
         torch.cuda.empty_cache()
     if "host" in sections:
         result["host"].append(host_per_call())

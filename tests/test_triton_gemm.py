@@ -18,7 +18,7 @@ from test_triton_backend import DEVICE, assert_close, build, check, make_inputs
 import hf_flce
 from hf_flce import engine
 from hf_flce.backends import hopper_head, resolve_backend, triton_gemm
-from hf_flce.backends.base import TileParams
+from hf_flce.backends.base import OPTIONAL_STATS, TileParams
 from hf_flce.backends.torch_tiles import TorchTileOps
 from hf_flce.backends.triton_tiles import TritonTileOps
 
@@ -271,8 +271,9 @@ def test_no_grad_call_bad_targets_and_edge_batches(fused_calls):
 def test_no_grad_call_over_the_budget_takes_the_chunked_path(fused_calls):
     hidden, weight, target, _, _ = build((), n=40, v=300, ignore_every=4)
     h, w = half(hidden, weight, None)[:2]
-    # ten rows of partial statistics (their size follows the device's narrowest tile)
-    budget = 10 * triton_gemm.partial_bytes_per_row(300)
+    # ten rows of partial statistics (their size follows the device's narrowest tile; a plain loss asks for none of
+    # the optional ones)
+    budget = 10 * triton_gemm.partial_bytes_per_row(300, params_for(300, stats=frozenset()))
     with torch.no_grad(), mock.patch.object(engine, "kept_rows", wraps=engine.kept_rows) as compaction:
         loss = hf_flce.fused_linear_cross_entropy(h, w, target, backend="triton", memory_budget=budget)
     ref, _ = hf_flce.reference_linear_cross_entropy(h.double(), w.double(), target)
@@ -378,8 +379,8 @@ def test_default_skips_devices_it_was_not_measured_on(fused_calls):
 # --- the kernels directly, float32 operands (float64 reference) ---------------------------------------------------
 
 
-def params_for(v, smoothing=0.0, z_loss=0.0, temperature=1.0, softcap=None):
-    return TileParams(v, -100, smoothing, z_loss, softcap, 1.0 / temperature, None, None)
+def params_for(v, smoothing=0.0, z_loss=0.0, temperature=1.0, softcap=None, stats=OPTIONAL_STATS):
+    return TileParams(v, -100, smoothing, z_loss, softcap, 1.0 / temperature, None, None, stats)
 
 
 def kernel_stats_match(hidden, weight, bias, target, params):
@@ -410,12 +411,61 @@ def kernel_grads_match(hidden, weight, bias, target, params, logits, ref, stats,
     assert kept.e is None
 
 
+def hundreds_of_nats(hidden, weight, target, rows=5, scale=80.0):
+    """The first ``rows`` rows scaled to logits of hundreds, each targeting its least likely class: losses past the
+    ~120 nats where exp(t - t_y - REF_OFFSET) overflows float32."""
+    hidden, target = hidden.clone(), target.clone()
+    hidden[:rows] *= scale
+    logits = hidden[:rows].double() @ weight.double().T
+    target[:rows] = logits.argmin(1)
+    assert (torch.logsumexp(logits, 1) - logits.min(1).values > 130).all()
+    return hidden, target
+
+
+@pytest.mark.parametrize("names", [(), ("z_loss",), ("softcap", "temperature")], ids=lambda c: "+".join(c) or "plain")
+@pytest.mark.parametrize("overflow", [False, True], ids=["normal", "hundreds-of-nats"])
+@pytest.mark.parametrize("row_reference", ["1", "0"], ids=["row-reference", "tile-max"])
+def test_scaled_statistics_against_a_row_reference(names, overflow, row_reference):
+    """``MODE_SCALED`` with no optional statistic takes every tile's sum of exp against the row's
+    ``t_y + REF_OFFSET`` instead of the tile's max (``FIXED_REF``); a row whose sum overflows gets its lse again from
+    float32 dots in the merge. Both ways against float64 (bf16 inputs), at a vocabulary no tile width divides, with
+    ignored rows."""
+    n, v = 21, 300
+    hidden, weight, target, _ = make_inputs(n, 24, v, ignore_every=4, seed=5)
+    if overflow:
+        hidden, target = hundreds_of_nats(hidden, weight, target)
+    hidden, weight = hidden.bfloat16(), weight.bfloat16()
+    opts = dict(z_loss=1e-3 if "z_loss" in names else 0.0, softcap=30.0 if "softcap" in names else None)
+    params = params_for(v, temperature=0.7 if "temperature" in names else 1.0, stats=frozenset(), **opts)
+    ref = TorchTileOps().forward((hidden.double() @ weight.double().T).float(), target, params)
+    with mock.patch.dict("os.environ", {"HF_FLCE_ROW_REFERENCE": row_reference}):
+        assert triton_gemm._row_reference(params, None) == (row_reference == "1")
+        stats, _ = triton_gemm.forward(hidden, weight, None, target, params, keep=False, scaled=True)
+    for name in ("loss", "lse", "logprob"):
+        assert_close(getattr(stats, name), getattr(ref, name), 1e-5, name)
+    assert torch.isfinite(stats.loss).all()
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_no_grad_call_with_rows_of_hundreds_of_nats(reduction):
+    """The no-grad path (kept rows counted on the device) on bf16 inputs with rows of losses in the hundreds: their
+    statistics are relative to the tile max, where nothing overflows."""
+    hidden, weight, target, _ = make_inputs(40, 32, 300, ignore_every=3, seed=2)
+    hidden, target = hundreds_of_nats(hidden, weight, target, rows=4, scale=60.0)
+    h, w = hidden.bfloat16(), weight.bfloat16()
+    with torch.no_grad():
+        loss = hf_flce.fused_linear_cross_entropy(h, w, target, backend="triton", reduction=reduction)
+    ref, _ = hf_flce.reference_linear_cross_entropy(h.double(), w.double(), target, reduction=reduction)
+    assert torch.isfinite(loss).all()
+    assert_close(loss, ref, 1e-5, "loss")
+
+
 @pytest.mark.parametrize("count", [0, 1, 13, 21])
 def test_kernel_computes_only_the_rows_counted_on_the_device(count):
     n, v = 21, 70
     hidden, weight, target, _ = make_inputs(n, 24, v, ignore_every=0, seed=3)
     params = params_for(v)
-    max_tiles = triton_gemm.partial_bytes_per_row(v) // 24
+    max_tiles = triton_gemm._max_tiles(v)
     partials = torch.full((5 * max_tiles * n,), float("nan"), device=DEVICE)
     best = torch.zeros(max_tiles * n, dtype=torch.int32, device=DEVICE)
     rows = torch.tensor(count, dtype=torch.int32, device=DEVICE)
@@ -497,13 +547,27 @@ def test_peaked_rows_keep_fp32_accuracy():
     assert_close(grad, expected, 1e-6, "gradient")
 
 
-def test_memory_accounting():
-    # e in 16 bits, plus five float32 partials and an int32 argmax per tile of the narrowest configured width
+@pytest.mark.parametrize(
+    "stats, per_tile",
+    [
+        (OPTIONAL_STATS, 24),  # five float32 partials and an int32 argmax
+        (frozenset(), 8),  # max and sum of exp
+        (frozenset({"entropy"}), 12),
+        (frozenset({"is_top1"}), 12),
+        (frozenset({"log_sum_sq_probs"}), 16),
+        (frozenset({"mean_logit"}), 20),
+    ],
+    ids=lambda s: "+".join(sorted(s)) if isinstance(s, frozenset) else str(s),
+)
+def test_memory_accounting(stats, per_tile):
+    # e in 16 bits, plus the partials asked for per tile of the narrowest configured width
     narrowest = min(c.kwargs["BN"] for c in triton_gemm._head_gemm_kernel.configs)
     for v in (1, 100, 128256):
+        params = params_for(v, stats=stats)
         tiles = -(-v // narrowest)
-        assert triton_gemm.partial_bytes_per_row(v) == tiles * 24
-        assert triton_gemm.bytes_per_logit(v) == 2 + tiles * 24 / v
+        assert triton_gemm.partial_bytes_per_row(v, params) == tiles * per_tile
+        assert triton_gemm.bytes_per_logit(v, params) == 2 + tiles * per_tile / v
+        assert triton_gemm.bytes_per_logit(v, params, keep=False) == tiles * per_tile / v
 
 
 @pytest.mark.parametrize(

@@ -72,9 +72,16 @@ def assert_no_worse(hidden, weight, target, margin=1.1, interpreted_margin=2.0, 
 NAMES = [(), ("z_loss",), ("temperature",), ("softcap",), ("softcap", "z_loss", "temperature")]
 
 
+@pytest.fixture(params=["1", "0"], ids=["row-reference", "tile-max"])
+def row_reference(request):
+    """The GEMM's sums against the row's t_y + REF_OFFSET (the default) or against each tile's max."""
+    with mock.patch.dict(os.environ, {"HF_FLCE_ROW_REFERENCE": request.param}):
+        yield request.param
+
+
 @pytest.mark.parametrize("names", NAMES, ids=lambda c: "+".join(c) or "plain")
 @pytest.mark.parametrize("budget", [None, 8192], ids=["one-chunk", "chunks"])
-def test_matches_reference(names, budget, scaled_calls):
+def test_matches_reference(names, budget, row_reference, scaled_calls):
     hidden, weight, target, _, opts = build(names, n=60, v=300, ignore_every=4)
     assert_no_worse(hidden.bfloat16(), weight.bfloat16(), target, memory_budget=budget, **opts)
     assert scaled_calls["chunks"] >= (3 if budget else 1)
@@ -93,7 +100,7 @@ def test_target_column_in_float32(peaked, scaled_calls):
 
 
 @pytest.mark.parametrize("names", [(), ("softcap", "z_loss", "temperature")], ids=["plain", "softcap+z+temp"])
-def test_every_row_recomputed(names, scaled_calls):
+def test_every_row_recomputed(names, row_reference, scaled_calls):
     """Rows whose loss exceeds REPAIR_ABOVE nats get E recomputed against their lse: here every row, by a negative
     threshold."""
     hidden, weight, target, _, opts = build(names, n=24, v=150, ignore_every=5)
@@ -102,9 +109,9 @@ def test_every_row_recomputed(names, scaled_calls):
     assert scaled_calls["chunks"] == 1
 
 
-def test_rows_past_the_range_are_recomputed(scaled_calls):
+def test_rows_past_the_range_are_recomputed(row_reference, scaled_calls):
     """Rows with logits of hundreds and their least likely class as target: a loss far past REPAIR_ABOVE, where E
-    against t_y would overflow."""
+    against t_y would overflow (with the row reference, the GEMM's sums overflow too, and the lse is recomputed)."""
     hidden, weight, target, _ = make_inputs(24, 16, 150, ignore_every=5)
     hidden, weight = hidden.bfloat16(), weight.bfloat16()
     hidden[:6] *= 60.0

@@ -13,6 +13,12 @@ the first argmax. A merge kernel combines the partials of a row as online softma
 by ``exp(m - max of all m)``). Only the statistics the caller asked for (``TileParams.optional_stats``) are computed;
 the others come back as 0.
 
+``MODE_SCALED`` (below) with no optional statistic needs no tile max: every tile's sum is taken against the row's
+``t_y + 32``, the reference E is stored against, which saves the max, its cross-thread reduction and the rescaling
+multiply per logit (``FIXED_REF``; ``HF_FLCE_ROW_REFERENCE=0`` keeps the tile max). ``exp(t - t_y - 32)`` stays in
+float32's range while the row's loss is below ~120 nats; past that the sum overflows to inf and the merge computes
+that row's lse again from float32 dots (``triton_scaled.exact_row``), as it rewrites E for rows past 64 nats.
+
 For gradients the epilogue also stores ``e`` in fp16: ``e`` lies in (0, 1], where fp16 keeps 11 significant bits
 (bf16 keeps 8), and it comes from the float32 tile, so the logits are never rounded before the softmax. Once the
 row's lse is known, the gradient pass turns ``e`` into the logits gradient in place (2 bytes read and 2 written per
@@ -46,6 +52,7 @@ import triton.language as tl
 
 from . import triton_interpreting, triton_scaled
 from .base import TileParams, TileStats
+from .triton_scaled import exact_row
 from .triton_tiles import TritonTileOps, _transform, fast_exp, fast_log, logit_grad, row_grad_coefs, sm_count
 
 MODE_STATS = 0  # partial statistics only (no gradient wanted: eval, reference models)
@@ -54,7 +61,6 @@ MODE_GRAD = 2  # the logits gradient, from a known lse
 MODE_SCALED = 3  # partial statistics and E = exp(t - t_y - REF_OFFSET) dt in bf16: the gradient up to a row scale
 
 _NEG_BIG = tl.constexpr(-3.0e38)
-_N_STATS = 5  # m, sum e, sum e (t - m), sum e**2, sum t
 
 
 def _configs():
@@ -250,6 +256,7 @@ def _head_gemm_kernel(
     GROUP_M: tl.constexpr,
     USE_TMA: tl.constexpr,
     FLATTEN: tl.constexpr,
+    FIXED_REF: tl.constexpr,
 ):
     """[BM, BN] tiles of the transformed logits t of x W^T + b, each reduced in the epilogue (see the module docstring).
     Persistent: each program takes every ``num_programs``-th tile of the full column blocks, then of the ragged last
@@ -359,12 +366,22 @@ def _head_gemm_kernel(
                     tl.store(out_ptrs, g.to(out_ptr.dtype.element_ty), mask=out_mask)
             else:
                 # Only the statistics asked for are computed; the target logit comes from _target_logit_kernel.
-                if RAGGED == 1:
-                    t = tl.where(col_ok[None, :], t, float("-inf"))
-                m = tl.max(t, 1)
-                e = fast_exp(t - m[:, None])
                 part = part_ptr + pid_n * N + rows
-                tl.store(part, m, mask=row_ok)
+                if FIXED_REF:
+                    # One reference per row fixed before the GEMM, m = t_y + ref_offset (+inf at ignored rows: e = 0
+                    # there), instead of the tile's max: no max and no rescaling per logit, and MODE 3's E is e
+                    # itself. Where the row's loss passes ~120 nats exp overflows and the sum becomes inf; the merge
+                    # then computes that row's lse again (_merge_kernel).
+                    m = tl.load(ty_ptr + rows, mask=row_ok, other=float("inf")) + ref_offset
+                    e = fast_exp(t - m[:, None])
+                    if RAGGED == 1:
+                        e = tl.where(col_ok[None, :], e, 0.0)
+                else:
+                    if RAGGED == 1:
+                        t = tl.where(col_ok[None, :], t, float("-inf"))
+                    m = tl.max(t, 1)
+                    e = fast_exp(t - m[:, None])
+                    tl.store(part, m, mask=row_ok)
                 tl.store(part + stat_stride, tl.sum(e, 1), mask=row_ok)
                 if ENTROPY:
                     t_minus_m = t - m[:, None]
@@ -387,8 +404,9 @@ def _head_gemm_kernel(
                         # ignored rows: E = 0 there), so the gradient is E times a row scale (triton_scaled.py).
                         # Loaded here: on an H200 a load before the K loop made the softcap tile 3% slower and the
                         # others no faster.
-                        m_ref = tl.load(ty_ptr + rows, mask=row_ok, other=float("inf")) + ref_offset
-                        stored = e * fast_exp(m - m_ref)[:, None]
+                        if not FIXED_REF:
+                            m_ref = tl.load(ty_ptr + rows, mask=row_ok, other=float("inf")) + ref_offset
+                            stored = e * fast_exp(m - m_ref)[:, None]
                         if HAS_SOFTCAP or HAS_TEMPERATURE:
                             stored *= dt
                     # MODE 1: e in fp16; MODE 3: E in the operands' bf16
@@ -490,6 +508,18 @@ def _merge_kernel(
     best_ptr,
     ty_ptr,
     y_ptr,
+    x_ptr,
+    stride_xn,
+    w_ptr,
+    stride_wv,
+    K,
+    inv_softcap,
+    t_scale,
+    inv_temperature,
+    ref_offset,
+    e_ptr,
+    stride_en,
+    repair_above,
     loss_ptr,
     lse_ptr,
     logprob_ptr,
@@ -510,52 +540,99 @@ def _merge_kernel(
     TOP1: tl.constexpr,
     SUM_T: tl.constexpr,
     SUM_E2: tl.constexpr,
+    FIXED_REF: tl.constexpr,
+    SCALED: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_TEMPERATURE: tl.constexpr,
     BR: tl.constexpr,
     BT: tl.constexpr,
 ):
-    """Row statistics from the partials of BR rows ([stat, tile, row] layout: loads are contiguous along rows)."""
+    """Row statistics from the partials of BR rows ([stat, tile, row] layout: loads are contiguous along rows).
+    ``FIXED_REF``: every partial sum is relative to the row's ``t_y + ref_offset`` (no optional statistics, no bias).
+    ``SCALED``: ``e`` is ``MODE_SCALED``'s E, rewritten at rows past ``repair_above``. ``x`` and ``W`` serve the rows the GEMM's float32 range could not
+    (``triton_scaled.exact_row``)."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     row_ok = rows < N
     y = tl.load(y_ptr + rows, mask=row_ok, other=ignore_index)
     valid = row_ok & (y != ignore_index)
     stat_stride = n_tiles * N
-    big = tl.full((BR,), _NEG_BIG, tl.float32)
-    row_max = big
-    for t0 in range(0, n_tiles, BT):
-        tiles = t0 + tl.arange(0, BT)
-        # ignored rows' partials are never read: the GEMM may have skipped them (ROWS_ON_DEVICE)
-        mask = (tiles[:, None] < n_tiles) & valid[None, :]
-        m = tl.load(part_ptr + tiles[:, None] * N + rows[None, :], mask=mask, other=_NEG_BIG)
-        row_max = tl.maximum(row_max, tl.max(m, 0))
     sum_e = tl.zeros((BR,), tl.float32)
     sum_e_tm = tl.zeros((BR,), tl.float32)
     sum_e2 = tl.zeros((BR,), tl.float32)
     sum_t = tl.zeros((BR,), tl.float32)
     best = tl.full((BR,), 2147483647, tl.int32)
-    for t0 in range(0, n_tiles, BT):
-        tiles = t0 + tl.arange(0, BT)
-        mask = (tiles[:, None] < n_tiles) & valid[None, :]
-        offs = tiles[:, None] * N + rows[None, :]
-        m = tl.load(part_ptr + offs, mask=mask, other=_NEG_BIG)
-        shift = tl.where(mask, m - row_max[None, :], 0.0)
-        # a partial with max m holds sums relative to m: relative to the row max they scale by exp(m - row_max)
-        scale = tl.where(mask, fast_exp(shift), 0.0)
-        s = tl.load(part_ptr + stat_stride + offs, mask=mask, other=0.0)
-        sum_e += tl.sum(scale * s, 0)
-        if ENTROPY:
-            t_m = tl.load(part_ptr + 2 * stat_stride + offs, mask=mask, other=0.0)
-            sum_e_tm += tl.sum(scale * (t_m + shift * s), 0)
-        if SUM_E2:
-            sum_e2 += tl.sum(scale * scale * tl.load(part_ptr + 3 * stat_stride + offs, mask=mask, other=0.0), 0)
-        if SUM_T:
-            sum_t += tl.sum(tl.load(part_ptr + 4 * stat_stride + offs, mask=mask, other=0.0), 0)
-        if TOP1:
-            # argmax indices grow with the tile, so the smallest among the tiles holding the max is the first argmax
-            cand = tl.load(best_ptr + offs, mask=mask & (m == row_max[None, :]), other=2147483647)
-            best = tl.minimum(best, tl.min(cand, 0))
+    if FIXED_REF:
+        row_max = tl.load(ty_ptr + rows, mask=valid, other=0.0) + ref_offset
+        for t0 in range(0, n_tiles, BT):
+            tiles = t0 + tl.arange(0, BT)
+            mask = (tiles[:, None] < n_tiles) & valid[None, :]
+            sum_e += tl.sum(
+                tl.load(part_ptr + stat_stride + tiles[:, None] * N + rows[None, :], mask=mask, other=0.0), 0
+            )
+    else:
+        row_max = tl.full((BR,), _NEG_BIG, tl.float32)
+        for t0 in range(0, n_tiles, BT):
+            tiles = t0 + tl.arange(0, BT)
+            # ignored rows' partials are never read: the GEMM may have skipped them (ROWS_ON_DEVICE)
+            mask = (tiles[:, None] < n_tiles) & valid[None, :]
+            m = tl.load(part_ptr + tiles[:, None] * N + rows[None, :], mask=mask, other=_NEG_BIG)
+            row_max = tl.maximum(row_max, tl.max(m, 0))
+        for t0 in range(0, n_tiles, BT):
+            tiles = t0 + tl.arange(0, BT)
+            mask = (tiles[:, None] < n_tiles) & valid[None, :]
+            offs = tiles[:, None] * N + rows[None, :]
+            m = tl.load(part_ptr + offs, mask=mask, other=_NEG_BIG)
+            shift = tl.where(mask, m - row_max[None, :], 0.0)
+            # a partial with max m holds sums relative to m: relative to the row max they scale by exp(m - row_max)
+            scale = tl.where(mask, fast_exp(shift), 0.0)
+            s = tl.load(part_ptr + stat_stride + offs, mask=mask, other=0.0)
+            sum_e += tl.sum(scale * s, 0)
+            if ENTROPY:
+                t_m = tl.load(part_ptr + 2 * stat_stride + offs, mask=mask, other=0.0)
+                sum_e_tm += tl.sum(scale * (t_m + shift * s), 0)
+            if SUM_E2:
+                sum_e2 += tl.sum(scale * scale * tl.load(part_ptr + 3 * stat_stride + offs, mask=mask, other=0.0), 0)
+            if SUM_T:
+                sum_t += tl.sum(tl.load(part_ptr + 4 * stat_stride + offs, mask=mask, other=0.0), 0)
+            if TOP1:
+                # argmax indices grow with the tile, so the smallest among the tiles holding the max is the first argmax
+                cand = tl.load(best_ptr + offs, mask=mask & (m == row_max[None, :]), other=2147483647)
+                best = tl.minimum(best, tl.min(cand, 0))
     sum_e = tl.where(valid, sum_e, 1.0)
     log_sum_exp = tl.log(sum_e)
     lse = tl.where(valid, row_max, 0.0) + log_sum_exp
+    if SCALED:
+        # The rows the GEMM's float32 range cannot serve, a loss past ~120 nats (FIXED_REF: the sum against
+        # t_y + ref_offset overflowed to inf) or, for E, past repair_above: exact_row recomputes their logits by
+        # float32 dots.
+        t_y = tl.load(ty_ptr + rows, mask=valid, other=0.0)
+        slow = valid & ((lse == float("inf")) | (lse - t_y > repair_above))
+        if tl.max(slow.to(tl.int32), 0) > 0:
+            lanes = tl.arange(0, BR)
+            for i in range(BR):
+                if tl.sum(tl.where(lanes == i, slow, False).to(tl.int32), 0) > 0:
+                    row = tl.program_id(0) * BR + i
+                    row_lse = exact_row(
+                        x_ptr + row.to(tl.int64) * stride_xn,
+                        w_ptr,
+                        stride_wv,
+                        V,
+                        K,
+                        inv_softcap,
+                        t_scale,
+                        inv_temperature,
+                        e_ptr + row.to(tl.int64) * stride_en,
+                        tl.sum(tl.where(lanes == i, y, 0), 0),
+                        tl.sum(tl.where(lanes == i, t_y, 0.0), 0),
+                        tl.sum(tl.where(lanes == i, lse, 0.0), 0),
+                        repair_above,
+                        HAS_SOFTCAP,
+                        HAS_TEMPERATURE,
+                        SCALED,
+                        128,
+                        64,
+                    )
+                    lse = tl.where(lanes == i, row_lse, lse)
     # t_y is a separate float32 dot: where the target holds the row max it can come out an ulp above the GEMM's max,
     # and lse - t_y (>= 0 in exact arithmetic) a rounding error below 0
     logprob = tl.minimum(tl.load(ty_ptr + rows, mask=valid, other=0.0) - lse, 0.0)
@@ -683,10 +760,34 @@ class KeptSoftmax:
     t_y: torch.Tensor
 
 
-def partial_bytes_per_row(vocab: int) -> int:
-    """Bytes per row of the partial statistics (float32 x 5 and an int32 argmax per tile), at the narrowest tile."""
-    tile_n = min(c.kwargs["BN"] for c in _head_gemm_kernel.configs)
-    return triton.cdiv(vocab, tile_n) * 4 * (_N_STATS + 1)
+def _planes(params: TileParams) -> int:
+    """Float32 planes of partial statistics a call needs: m and sum e, then up to the last optional one asked for
+    (their planes are fixed: sum e (t - m), sum e**2, sum t)."""
+    flags = _stat_flags(params)
+    return 5 if flags["SUM_T"] else 4 if flags["SUM_E2"] else 3 if flags["ENTROPY"] else 2
+
+
+def _max_tiles(vocab: int) -> int:
+    """Column tiles per row at the narrowest tile any configuration may pick (the partials are sized for it; the
+    kernel indexes them by the tile width it runs)."""
+    return triton.cdiv(vocab, min(c.kwargs["BN"] for c in _head_gemm_kernel.configs))
+
+
+def partial_bytes_per_row(vocab: int, params: TileParams) -> int:
+    """Bytes per row of the partial statistics: ``_planes`` float32 values per tile, and an int32 argmax with
+    ``is_top1``."""
+    return _max_tiles(vocab) * 4 * (_planes(params) + _stat_flags(params)["TOP1"])
+
+
+def _row_reference(params: TileParams, bias: torch.Tensor | None) -> bool:
+    """Whether a ``MODE_SCALED`` launch takes ``t_y + REF_OFFSET`` as every tile's reference (``FIXED_REF``) instead
+    of the tile's max: with no optional statistic (entropy and the others are relative to the tile max) and no bias.
+    ``HF_FLCE_ROW_REFERENCE=0`` keeps the tile max. Statistics-only launches keep it too: on an H200 the row
+    reference gained nothing there (docs/PERF_NOTES.md, v15), and a row past ~120 nats would take the slow exact
+    path, which a diverged model's eval could meet on every row."""
+    return (
+        bias is None and not any(_stat_flags(params).values()) and os.environ.get("HF_FLCE_ROW_REFERENCE", "1") != "0"
+    )
 
 
 def supports(dtype: torch.dtype, weight: torch.Tensor, bias: torch.Tensor | None, params: TileParams) -> bool:
@@ -710,9 +811,9 @@ def scaled_gradient_supports(dtype: torch.dtype, bias: torch.Tensor | None, plan
     return os.environ.get("HF_FLCE_SCALED_GRAD", "1") != "0" and triton_scaled.supports(dtype, bias, plan.params)
 
 
-def bytes_per_logit(vocab: int, keep: bool = True) -> float:
+def bytes_per_logit(vocab: int, params: TileParams, keep: bool = True) -> float:
     """Chunk memory per logit: e (then the gradient) in 16 bits when it is kept, plus the partial statistics."""
-    return (2 if keep else 0) + partial_bytes_per_row(vocab) / vocab
+    return (2 if keep else 0) + partial_bytes_per_row(vocab, params) / vocab
 
 
 def _vectors(upstream, spare):
@@ -757,7 +858,21 @@ def transform_args(params: TileParams) -> tuple[float, float, float]:
 
 
 def _gemm(
-    x, weight, bias, target, params, mode, out, partials, best, lse, entropy, upstream, rows_on_device=None, t_y=None
+    x,
+    weight,
+    bias,
+    target,
+    params,
+    mode,
+    out,
+    partials,
+    best,
+    lse,
+    entropy,
+    upstream,
+    rows_on_device=None,
+    t_y=None,
+    fixed_ref=False,
 ):
     n, k = x.shape
     use_tma = _tma_usable(x, weight)
@@ -807,8 +922,9 @@ def _gemm(
         TMA_OUT=use_tma and out is not None and out.element_size() == 2 and _tma_aligned(out),
         **_option_flags(params, (None, None, None) if mode != MODE_GRAD else upstream),
         **_stat_flags(params, wanted=mode != MODE_GRAD),
+        FIXED_REF=fixed_ref,
     )
-    tuned_key = (params.vocab, k, mode, use_tma, tuple(a.dtype for a in args if isinstance(a, torch.Tensor)))
+    tuned_key = (params.vocab, k, mode, use_tma, fixed_ref, tuple(a.dtype for a in args if isinstance(a, torch.Tensor)))
     return _launch_tuned(grid, args, flags, tuned_key)
 
 
@@ -883,20 +999,22 @@ def forward(
         return stats, (KeptSoftmax(empty, stats.loss, 1, stats.loss) if keep else None)
     mode = MODE_SCALED if scaled else MODE_KEEP if keep else MODE_STATS
     # Sized for the narrowest tile; the kernel indexes them by the tile width the autotuner picked.
-    max_tiles = partial_bytes_per_row(vocab) // (4 * (_N_STATS + 1))
-    partials = torch.empty(_N_STATS * max_tiles * n, **f32)
-    best = torch.empty(max_tiles * n, dtype=torch.int32, device=dev)
+    max_tiles = _max_tiles(vocab)
+    partials = torch.empty(_planes(params) * max_tiles * n, **f32)
+    best = torch.empty(max_tiles * n if _stat_flags(params)["TOP1"] else 1, dtype=torch.int32, device=dev)
     from . import hopper_head  # builds on this module's jit functions
 
     warp_specialized = (
         not scaled and rows_on_device is None and hopper_head.supports(x, weight, bias, params, _stat_flags(params))
     )
+    fixed_ref = scaled and _row_reference(params, bias)
     e = t_y = None
     if scaled:
-        e = torch.empty(n, vocab, dtype=x.dtype, device=dev)
         # the GEMM's row references m = t_y + REF_OFFSET come first
         t_y = torch.empty(n, **f32)
         _target_logits(x, weight, bias, target, params, t_y)
+    if scaled:
+        e = torch.empty(n, vocab, dtype=x.dtype, device=dev)
     elif keep:
         e = hopper_head.empty_e(n, vocab, dev) if warp_specialized else torch.empty(n, vocab, **f16)
     with TritonTileOps._device_guard(dev):
@@ -905,7 +1023,21 @@ def forward(
             tile_n = hopper_head.BN
         else:
             config = _gemm(
-                x, weight, bias, target, params, mode, e, partials, best, None, None, (None,) * 3, rows_on_device, t_y
+                x,
+                weight,
+                bias,
+                target,
+                params,
+                mode,
+                e,
+                partials,
+                best,
+                None,
+                None,
+                (None,) * 3,
+                rows_on_device,
+                t_y,
+                fixed_ref,
             )
             # the partials' layout follows the tile width the autotuner picked for this launch
             tile_n = config.kwargs["BN"]
@@ -921,6 +1053,16 @@ def forward(
             best,
             t_y,
             target,
+            x,
+            x.stride(0),
+            weight,
+            weight.stride(0),
+            x.shape[1],
+            *transform_args(params),
+            triton_scaled.REF_OFFSET,
+            t_y if e is None else e,
+            0 if e is None else e.stride(0),
+            triton_scaled.REPAIR_ABOVE,
             stats.loss,
             stats.lse,
             stats.logprob,
@@ -938,12 +1080,16 @@ def forward(
             HAS_SMOOTHING=params.label_smoothing != 0.0,
             HAS_ZLOSS=params.z_loss != 0.0,
             **_stat_flags(params),
+            FIXED_REF=fixed_ref,
+            SCALED=scaled,
+            HAS_SOFTCAP=params.softcap is not None,
+            HAS_TEMPERATURE=params.inv_temperature != 1.0,
             BR=br,
             BT=32,
             num_warps=4,
         )
     if scaled:
-        return stats, triton_scaled.row_scales(e, x, weight, target, t_y, stats.lse, params, transform_args(params))
+        return stats, triton_scaled.row_scales(e, target, t_y, stats.lse, params, transform_args(params))
     kept = KeptSoftmax(e, partials[: n_tiles * n].view(n_tiles, n), tile_n, t_y) if keep else None
     return stats, kept
 

@@ -11,9 +11,10 @@ tile of the row is done), so it writes, in bf16,
 
     E_ij = exp(t_ij - m_i) dt_ij,    m_i = t_y,i + REF_OFFSET
 
-against a reference fixed before the GEMM. Then ``G_ij = s_i E_ij`` off the target column, with
-``s_i = P_i exp(m_i - lse_i)``, and the target column is taken out of ``E`` (set to 0) and carried exactly in float32
-as ``c_i = (p_y P_i + O_i) dt_y``:
+against a reference fixed before the GEMM (the one the GEMM's statistics are taken against when the call asks for
+no optional statistic, so that ``E`` is the epilogue's ``exp`` itself). Then ``G_ij = s_i E_ij`` off the target
+column, with ``s_i = P_i exp(m_i - lse_i)``, and the target column is taken out of ``E`` (set to 0) and carried
+exactly in float32 as ``c_i = (p_y P_i + O_i) dt_y``:
 
     dX = diag(s) (E W) + diag(c) W[y]        dW = E^T diag(s) X + sum_i c_i e_{y_i} x_i^T
 
@@ -56,20 +57,13 @@ def supports(x_dtype: torch.dtype, bias: torch.Tensor | None, params: TileParams
 def _row_scales_kernel(
     e_ptr,
     stride_en,
-    x_ptr,
-    stride_xn,
-    w_ptr,
-    stride_wv,
     y_ptr,
     ty_ptr,
     lse_ptr,
     r_ptr,
     q_ptr,
     N,
-    V,
-    K,
     ignore_index,
-    inv_softcap,
     t_scale,
     inv_temperature,
     z_loss,
@@ -79,12 +73,11 @@ def _row_scales_kernel(
     HAS_TEMPERATURE: tl.constexpr,
     HAS_ZLOSS: tl.constexpr,
     BR: tl.constexpr,
-    BV: tl.constexpr,
-    BK: tl.constexpr,
 ):
     """Per row, per unit of upstream gradient: the scale ``r = exp(m - lse) (1 + 2 z lse)`` of ``E`` and the target
     column's gradient ``q = (p_y (1 + 2 z lse) - 1) dt_y`` (both 0 at ignored rows); ``E``'s target column is set to 0.
-    Rows whose loss exceeds ``repair_above`` get ``E`` written again with ``m = lse`` (so ``r = 1 + 2 z lse``)."""
+    Rows whose loss exceeds ``repair_above`` had ``E`` written again with ``m = lse`` by the merge (``exact_row``), so
+    ``r = 1 + 2 z lse`` there."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     row_ok = rows < N
     y = tl.load(y_ptr + rows, mask=row_ok, other=ignore_index)
@@ -111,35 +104,69 @@ def _row_scales_kernel(
     tl.store(q_ptr + rows, q, mask=row_ok)
     e_rows = e_ptr + rows.to(tl.int64) * stride_en
     tl.store(e_rows + tl.where(valid, y, 0), tl.zeros((BR,), tl.float32).to(e_ptr.dtype.element_ty), mask=valid)
-    if tl.max(repair.to(tl.int32), 0) > 0:
-        cols = tl.arange(0, BV)
-        ks = tl.arange(0, BK)
-        for i in range(BR):
-            row = tl.program_id(0) * BR + i
-            row_y = tl.load(y_ptr + row, mask=row < N, other=ignore_index)
-            row_lse = tl.load(lse_ptr + row, mask=row < N, other=0.0)
-            row_ty = tl.load(ty_ptr + row, mask=row < N, other=0.0)
-            if (row < N) & (row_y != ignore_index) & (row_lse - row_ty > repair_above):
-                x_row = x_ptr + row.to(tl.int64) * stride_xn
-                for v0 in range(0, V, BV):
-                    col = v0 + cols
-                    col_ok = col < V
-                    acc = tl.zeros((BV,), tl.float32)
-                    for k0 in range(0, K, BK):
-                        k_ok = (k0 + ks) < K
-                        xk = tl.load(x_row + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
-                        w = tl.load(
-                            w_ptr + col.to(tl.int64)[:, None] * stride_wv + (k0 + ks)[None, :],
-                            mask=col_ok[:, None] & k_ok[None, :],
-                            other=0.0,
-                        ).to(tl.float32)
-                        acc += tl.sum(w * xk[None, :], 1)
-                    t, dt = _transform(acc, inv_softcap, t_scale, inv_temperature, HAS_SOFTCAP, HAS_TEMPERATURE)
+
+
+@triton.jit
+def exact_row(
+    x_row,
+    w_ptr,
+    stride_wv,
+    V,
+    K,
+    inv_softcap,
+    t_scale,
+    inv_temperature,
+    e_row,
+    row_y,
+    row_ty,
+    row_lse,
+    repair_above,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_TEMPERATURE: tl.constexpr,
+    STORE_E: tl.constexpr,
+    BV: tl.constexpr,
+    BK: tl.constexpr,
+):
+    """The slow exact path for a row the GEMM's float32 range cannot serve (the merge calls it; never met by a model
+    that trains), its logits ``t`` recomputed BV columns at a time by float32 dots. Returns the row's lse: ``row_lse``
+    unless that is inf (a sum against ``t_y + REF_OFFSET`` that overflowed), then computed again by online softmax
+    (the running sum rescaled by ``exp(m_old - m_new)`` whenever a block raises the running max). With ``STORE_E``,
+    a row whose loss exceeds ``repair_above`` gets ``E = exp(t - lse) dt`` written to ``e_row`` (0 at ``row_y``)."""
+    cols = tl.arange(0, BV)
+    ks = tl.arange(0, BK)
+    # pass 0: the lse, where it overflowed; pass 1: E, where the loss is past the bf16 range of E and s x
+    for p in range(2):
+        if ((p == 0) & (row_lse == float("inf"))) | ((p == 1) & STORE_E & (row_lse - row_ty > repair_above)):
+            m = tl.full((), float("-inf"), tl.float32)
+            s = tl.zeros((), tl.float32)
+            for v0 in range(0, V, BV):
+                col = v0 + cols
+                col_ok = col < V
+                acc = tl.zeros((BV,), tl.float32)
+                for k0 in range(0, K, BK):
+                    k_ok = (k0 + ks) < K
+                    xk = tl.load(x_row + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
+                    w = tl.load(
+                        w_ptr + col.to(tl.int64)[:, None] * stride_wv + (k0 + ks)[None, :],
+                        mask=col_ok[:, None] & k_ok[None, :],
+                        other=0.0,
+                    ).to(tl.float32)
+                    acc += tl.sum(w * xk[None, :], 1)
+                t, dt = _transform(acc, inv_softcap, t_scale, inv_temperature, HAS_SOFTCAP, HAS_TEMPERATURE)
+                if p == 0:
+                    t = tl.where(col_ok, t, float("-inf"))
+                    m_new = tl.maximum(m, tl.max(t, 0))
+                    s = s * tl.exp(m - m_new) + tl.sum(tl.exp(t - m_new), 0)
+                    m = m_new
+                else:
                     e = fast_exp(t - row_lse)
                     if HAS_SOFTCAP or HAS_TEMPERATURE:
                         e *= dt
                     e = tl.where(col == row_y, 0.0, e)
-                    tl.store(e_ptr + row.to(tl.int64) * stride_en + col, e.to(e_ptr.dtype.element_ty), mask=col_ok)
+                    tl.store(e_row + col, e.to(e_row.dtype.element_ty), mask=col_ok)
+            if p == 0:
+                row_lse = m + tl.log(s)
+    return row_lse
 
 
 @triton.jit
@@ -343,16 +370,15 @@ class ScaledGradient:
 
 def row_scales(
     e: torch.Tensor,
-    x: torch.Tensor,
-    weight: torch.Tensor,
     target: torch.Tensor,
     t_y: torch.Tensor,
     lse: torch.Tensor,
     params: TileParams,
     transform: tuple[float, float, float],
 ) -> ScaledGradient:
-    """The chunk's ``ScaledGradient`` per unit of upstream gradient, once its lse is known (``_row_scales_kernel``)."""
-    n, vocab = e.shape
+    """The chunk's ``ScaledGradient`` per unit of upstream gradient, once its lse is known (``_row_scales_kernel``;
+    the merge has rewritten the rows past ``REPAIR_ABOVE``)."""
+    n = e.shape[0]
     r = torch.empty(n, dtype=torch.float32, device=e.device)
     q = torch.empty(n, dtype=torch.float32, device=e.device)
     if n:
@@ -361,20 +387,14 @@ def row_scales(
             _row_scales_kernel[(triton.cdiv(n, br),)](
                 e,
                 e.stride(0),
-                x,
-                x.stride(0),
-                weight,
-                weight.stride(0),
                 target,
                 t_y,
                 lse,
                 r,
                 q,
                 n,
-                vocab,
-                x.shape[1],
                 params.ignore_index,
-                *transform,
+                *transform[1:],
                 params.z_loss,
                 REF_OFFSET,
                 REPAIR_ABOVE,
@@ -382,8 +402,6 @@ def row_scales(
                 HAS_TEMPERATURE=params.inv_temperature != 1.0,
                 HAS_ZLOSS=params.z_loss != 0.0,
                 BR=br,
-                BV=128,
-                BK=64,
                 num_warps=4,
             )
     return ScaledGradient(e, r, q, target, params.ignore_index)
