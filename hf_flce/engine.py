@@ -239,8 +239,14 @@ class _GradBuffers:
         """A ``ScaledGradient`` (``backends/triton_scaled.py``): ``G = diag(s) E`` plus the target column, so
         ``dX = s (E W) + c W[y]`` and ``dW = E^T (s X)`` plus ``c x`` added at the target rows."""
         if self.dx is not None:
-            ew = mm_fp32(grad.e, self.weight)
-            grad.write_dx(ew, self.weight, self.dx, None if self.rows is None else self.rows[start:end], start)
+            # E W in float32 ([rows, H]) is a temporary: not alive any more when the dW GEMM runs (the call's peak)
+            grad.write_dx(
+                mm_fp32(grad.e, self.weight),
+                self.weight,
+                self.dx,
+                None if self.rows is None else self.rows[start:end],
+                start,
+            )
         if self.need_dw:
             self._add_dw(grad.e, grad.x_operand(x_chunk))
             grad.add_target_rows(self.dw, x_chunk)
