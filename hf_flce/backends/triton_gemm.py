@@ -561,8 +561,9 @@ def _merge_kernel(
     sum_e2 = tl.zeros((BR,), tl.float32)
     sum_t = tl.zeros((BR,), tl.float32)
     best = tl.full((BR,), 2147483647, tl.int32)
+    t_y = tl.load(ty_ptr + rows, mask=valid, other=0.0)
     if FIXED_REF:
-        row_max = tl.load(ty_ptr + rows, mask=valid, other=0.0) + ref_offset
+        row_max = t_y + ref_offset
         for t0 in range(0, n_tiles, BT):
             tiles = t0 + tl.arange(0, BT)
             mask = (tiles[:, None] < n_tiles) & valid[None, :]
@@ -605,7 +606,6 @@ def _merge_kernel(
         # The rows the GEMM's float32 range cannot serve, a loss past ~120 nats (FIXED_REF: the sum against
         # t_y + ref_offset overflowed to inf) or, for E, past repair_above: exact_row recomputes their logits by
         # float32 dots.
-        t_y = tl.load(ty_ptr + rows, mask=valid, other=0.0)
         slow = valid & ((lse == float("inf")) | (lse - t_y > repair_above))
         if tl.max(slow.to(tl.int32), 0) > 0:
             lanes = tl.arange(0, BR)
@@ -628,14 +628,13 @@ def _merge_kernel(
                         repair_above,
                         HAS_SOFTCAP,
                         HAS_TEMPERATURE,
-                        SCALED,
                         128,
                         64,
                     )
                     lse = tl.where(lanes == i, row_lse, lse)
     # t_y is a separate float32 dot: where the target holds the row max it can come out an ulp above the GEMM's max,
     # and lse - t_y (>= 0 in exact arithmetic) a rounding error below 0
-    logprob = tl.minimum(tl.load(ty_ptr + rows, mask=valid, other=0.0) - lse, 0.0)
+    logprob = tl.minimum(t_y - lse, 0.0)
     loss = -(1.0 - smoothing) * logprob
     if HAS_SMOOTHING:
         loss += smooth_over_v * (V * lse - sum_t)
@@ -779,15 +778,14 @@ def partial_bytes_per_row(vocab: int, params: TileParams) -> int:
     return _max_tiles(vocab) * 4 * (_planes(params) + _stat_flags(params)["TOP1"])
 
 
-def _row_reference(params: TileParams, bias: torch.Tensor | None) -> bool:
-    """Whether a ``MODE_SCALED`` launch takes ``t_y + REF_OFFSET`` as every tile's reference (``FIXED_REF``) instead
-    of the tile's max: with no optional statistic (entropy and the others are relative to the tile max) and no bias.
+def _row_reference(params: TileParams) -> bool:
+    """Whether a ``MODE_SCALED`` launch (no bias: ``triton_scaled.supports``) takes ``t_y + REF_OFFSET`` as every
+    tile's reference (``FIXED_REF``) instead of the tile's max: with no optional statistic (entropy and the others are
+    relative to the tile max).
     ``HF_FLCE_ROW_REFERENCE=0`` keeps the tile max. Statistics-only launches keep it too: on an H200 the row
     reference gained nothing there (docs/PERF_NOTES.md, v15), and a row past ~120 nats would take the slow exact
     path, which a diverged model's eval could meet on every row."""
-    return (
-        bias is None and not any(_stat_flags(params).values()) and os.environ.get("HF_FLCE_ROW_REFERENCE", "1") != "0"
-    )
+    return not any(_stat_flags(params).values()) and os.environ.get("HF_FLCE_ROW_REFERENCE", "1") != "0"
 
 
 def supports(dtype: torch.dtype, weight: torch.Tensor, bias: torch.Tensor | None, params: TileParams) -> bool:
@@ -1007,7 +1005,7 @@ def forward(
     warp_specialized = (
         not scaled and rows_on_device is None and hopper_head.supports(x, weight, bias, params, _stat_flags(params))
     )
-    fixed_ref = scaled and _row_reference(params, bias)
+    fixed_ref = scaled and _row_reference(params)
     e = t_y = None
     if scaled:
         # the GEMM's row references m = t_y + REF_OFFSET come first

@@ -123,20 +123,19 @@ def exact_row(
     repair_above,
     HAS_SOFTCAP: tl.constexpr,
     HAS_TEMPERATURE: tl.constexpr,
-    STORE_E: tl.constexpr,
     BV: tl.constexpr,
     BK: tl.constexpr,
 ):
     """The slow exact path for a row the GEMM's float32 range cannot serve (the merge calls it; never met by a model
     that trains), its logits ``t`` recomputed BV columns at a time by float32 dots. Returns the row's lse: ``row_lse``
     unless that is inf (a sum against ``t_y + REF_OFFSET`` that overflowed), then computed again by online softmax
-    (the running sum rescaled by ``exp(m_old - m_new)`` whenever a block raises the running max). With ``STORE_E``,
-    a row whose loss exceeds ``repair_above`` gets ``E = exp(t - lse) dt`` written to ``e_row`` (0 at ``row_y``)."""
+    (the running sum rescaled by ``exp(m_old - m_new)`` whenever a block raises the running max). Then a row
+    whose loss exceeds ``repair_above`` gets ``E = exp(t - lse) dt`` written to ``e_row`` (0 at ``row_y``)."""
     cols = tl.arange(0, BV)
     ks = tl.arange(0, BK)
     # pass 0: the lse, where it overflowed; pass 1: E, where the loss is past the bf16 range of E and s x
     for p in range(2):
-        if ((p == 0) & (row_lse == float("inf"))) | ((p == 1) & STORE_E & (row_lse - row_ty > repair_above)):
+        if ((p == 0) & (row_lse == float("inf"))) | ((p == 1) & (row_lse - row_ty > repair_above)):
             m = tl.full((), float("-inf"), tl.float32)
             s = tl.zeros((), tl.float32)
             for v0 in range(0, V, BV):
@@ -221,6 +220,17 @@ def _add_segments(value, start, other_value, other_start):
 
 
 @triton.jit
+def _target_terms(order_ptr, pos, ok, c_ptr, x_ptr, stride_xn, cols, col_ok):
+    """``c_i x_i`` (float32 ``[positions, cols]``) of the rows at sorted positions ``pos``, 0 where not ``ok``."""
+    row = tl.load(order_ptr + pos, mask=ok, other=0)
+    c = tl.load(c_ptr + row, mask=ok, other=0.0)
+    x = tl.load(
+        x_ptr + row.to(tl.int64)[:, None] * stride_xn + cols[None, :], mask=ok[:, None] & col_ok[None, :], other=0.0
+    )
+    return c[:, None] * x.to(tl.float32)
+
+
+@triton.jit
 def _target_rows_kernel(
     sorted_y_ptr,
     order_ptr,
@@ -249,15 +259,9 @@ def _target_rows_kernel(
     after = tl.load(sorted_y_ptr + pos + 1, mask=pos + 1 < n, other=ignore_index)
     ends = in_range & (v != ignore_index) & ((pos + 1 == n) | (after != v))
     starts = (pos == first) | (before != v)
-    row = tl.load(order_ptr + pos, mask=in_range, other=0)
-    c = tl.load(c_ptr + row, mask=in_range, other=0.0)
-    x = tl.load(
-        x_ptr + row.to(tl.int64)[:, None] * stride_xn + cols[None, :],
-        mask=in_range[:, None] & col_ok[None, :],
-        other=0.0,
-    )
     segment_starts = tl.broadcast_to(starts[:, None], (BP, BH))
-    sums, _ = tl.associative_scan((c[:, None] * x.to(tl.float32), segment_starts), 0, _add_segments)
+    terms = _target_terms(order_ptr, pos, in_range, c_ptr, x_ptr, stride_xn, cols, col_ok)
+    sums, _ = tl.associative_scan((terms, segment_starts), 0, _add_segments)
     # the block's first run may have begun in an earlier block
     first_v = tl.load(sorted_y_ptr + first)
     if (first > 0) & (first_v != ignore_index):
@@ -270,14 +274,7 @@ def _target_rows_kernel(
                 idx = last - BP + 1 + offs
                 in_run = idx >= 0
                 in_run &= tl.load(sorted_y_ptr + idx, mask=in_run, other=ignore_index) == first_v
-                rows = tl.load(order_ptr + idx, mask=in_run, other=0)
-                c_run = tl.load(c_ptr + rows, mask=in_run, other=0.0)
-                x_run = tl.load(
-                    x_ptr + rows.to(tl.int64)[:, None] * stride_xn + cols[None, :],
-                    mask=in_run[:, None] & col_ok[None, :],
-                    other=0.0,
-                )
-                earlier += tl.sum(c_run[:, None] * x_run.to(tl.float32), 0)
+                earlier += tl.sum(_target_terms(order_ptr, idx, in_run, c_ptr, x_ptr, stride_xn, cols, col_ok), 0)
                 # the run goes on below this block only if all of the block is in it
                 more = tl.sum(in_run.to(tl.int32), 0) == BP
                 last -= BP
