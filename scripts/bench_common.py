@@ -67,24 +67,42 @@ class Device:
     def peak(self) -> int:
         return int(self.mod.max_memory_allocated()) if self.mod is not None else 0
 
+    def _time_one(self, fn: Callable[[], Any]) -> float:
+        """One call of ``fn``, waited for; milliseconds (device events on an accelerator, the wall clock on CPU)."""
+        if self.mod is None:
+            t0 = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t0) * 1e3
+        start, end = self.mod.Event(enable_timing=True), self.mod.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return float(start.elapsed_time(end))
+
     def time_ms(self, fn: Callable[[], Any], warmup: int, reps: int) -> list[float]:
         """Run ``fn`` ``warmup`` times, then time ``reps`` calls one by one (each waited for); milliseconds."""
-        for _ in range(warmup):
-            fn()
-        self.sync()
-        times = []
+        return self.time_rounds([fn], warmup, reps)[0]
+
+    def time_rounds(
+        self, fns: Sequence[Callable[[], Any]], warmup: int, reps: int, settle_s: float = 0.0
+    ) -> list[list[float]]:
+        """``reps`` rounds of one timed call of each of ``fns`` in turn, after ``warmup`` untimed rounds and then more
+        until ``settle_s`` seconds have passed; the milliseconds per function. A GPU at its power limit runs below its
+        top clock, and the clock it settles at depends on the load of the last second or so (an H200 at 700 W: 1980
+        MHz idle, ~1400-1600 under these GEMMs). Timed in turns after settling, the calls meet the same clocks; a
+        yardstick timed apart from what it measures can be off by 10% either way."""
+        start = time.perf_counter()
+        done = 0
+        while done < warmup or time.perf_counter() - start < settle_s:
+            for fn in fns:
+                fn()
+            self.sync()
+            done += 1
+        times: list[list[float]] = [[] for _ in fns]
         for _ in range(reps):
-            if self.mod is not None:
-                start, end = self.mod.Event(enable_timing=True), self.mod.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times.append(float(start.elapsed_time(end)))
-            else:
-                t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1e3)
+            for fn, out in zip(fns, times, strict=True):
+                out.append(self._time_one(fn))
         return times
 
     def extra_memory(self, fn: Callable[[], Any]) -> tuple[Any, int]:
@@ -172,7 +190,25 @@ def env_info(dev: Device) -> dict[str, Any]:
         "packages": package_versions(),
         "cuda": torch.version.cuda,
         "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "gpu_limits": gpu_limits() if dev.kind == "cuda" else {},
     }
+
+
+def gpu_limits() -> dict[str, str]:
+    """The GPU's power limit and clocks from ``nvidia-smi`` (empty where it is missing): under load these GPUs run
+    at their power limit, below their top clock, so timings depend on both."""
+    fields = ("power.limit", "clocks.max.sm", "clocks.sm", "temperature.gpu")
+    try:
+        line = subprocess.run(
+            ["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader", "-i", "0"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return dict(zip(fields, (v.strip() for v in line.split(",")), strict=False))
 
 
 def base_parser(doc: str | None, stem: str) -> argparse.ArgumentParser:

@@ -23,6 +23,10 @@ Sections (``--sections``):
             provider and distribution: fwd+bwd time (median of event-timed calls after warm-up), peak memory above the
             inputs (gradients included, and without them), ``|g - g_fp32| / |g_fp32|`` for dX and dW against a
             chunked fp32 reference (TF32 off); for ``flat`` also the no-grad forward time on detached inputs.
+            Ratios: each timed call alternates with one of its yardstick (the floor's three GEMMs back to back, or
+            the one logits GEMM for the no-grad forward) after ``SETTLE_S`` of untimed rounds, so both run at the
+            clocks the GPU settles at under that load (``paired_floor_ms``, ``paired_gemm_ms``); an H100/H200 runs
+            these GEMMs at its power limit, well below its top clock.
   pertoken  ``reduction="none"`` with a random per-token upstream gradient: time, memory, gradient error.
   masked    the first half of every 4096-token sequence masked as prompt, against the unmasked batch.
   memory    accelerators: extra memory and time vs N (8k, 32k, 64k tokens at llama3-8b's H and V). CPU: peak RSS
@@ -371,8 +375,10 @@ def measure_fwd_bwd(
     runs: Runs,
     grad_out: torch.Tensor | None = None,
     ref: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    floor: Callable[[], Any] | None = None,
 ) -> dict[str, Any]:
-    """Warm-up calls, then one call for memory (and the gradient error against ``ref``), then the timed calls."""
+    """Warm-up calls, then one call for memory (and the gradient error against ``ref``), then the timed calls, in
+    turns with ``floor`` (the 3-GEMM floor, timed into ``paired_floor_ms``) where given."""
 
     def step():
         loss = fn(x, w, y, reduction, softcap)
@@ -391,36 +397,70 @@ def measure_fwd_bwd(
         ref_loss = nll if reduction == "none" else nll.sum() / count
         rec.update(dx_err=rel_err(dx, ref_dx), dw_err=rel_err(dw, ref_dw), loss_err=rel_err(loss.float(), ref_loss))
     del loss, dx, dw
-    times = dev.time_ms(step, 0, runs.reps)
-    rec.update(fwdbwd_ms=median(times), fwdbwd_times=times)
+    rec.update(_timed(dev, step, "fwdbwd", floor, "paired_floor", 0, runs.reps))
     return rec
 
 
-def measure_forward(dev: Device, fn: LossFn, x, w, y, softcap: float | None, runs: Runs) -> dict[str, Any]:
-    """No-grad forward on detached inputs (evaluation, a DPO reference model)."""
+# Seconds of untimed rounds before a timed pair, for the GPU's clocks to settle under the load (Device.time_rounds).
+SETTLE_S = 0.5
+
+
+def _timed(dev: Device, fn, name: str, yardstick, yardstick_name: str, warmup: int, reps: int) -> dict[str, Any]:
+    """``name_ms`` and ``name_times`` of ``fn``, and the same of ``yardstick`` (if not None) timed in turns with it
+    once the clocks have settled."""
+    fns = [fn] if yardstick is None else [yardstick, fn]
+    times = dev.time_rounds(fns, warmup, reps, SETTLE_S if dev.accelerator and yardstick is not None else 0.0)
+    rec = {f"{name}_ms": median(times[-1]), f"{name}_times": times[-1]}
+    if yardstick is not None:
+        rec.update({f"{yardstick_name}_ms": median(times[0]), f"{yardstick_name}_times": times[0]})
+    return rec
+
+
+def measure_forward(
+    dev: Device, fn: LossFn, x, w, y, softcap: float | None, runs: Runs, gemm: Callable[[], Any] | None = None
+) -> dict[str, Any]:
+    """No-grad forward on detached inputs (evaluation, a DPO reference model), in turns with ``gemm`` (one cuBLAS
+    GEMM of the logits' shape, timed into ``paired_gemm_ms``) where given."""
     xd, wd = x.detach(), w.detach()
 
     def fwd():
         with torch.no_grad():
             return fn(xd, wd, y, "mean", softcap)
 
-    times = dev.time_ms(fwd, max(1, runs.warmup), runs.reps)
-    return {"fwd_ms": median(times), "fwd_times": times}
+    return _timed(dev, fwd, "fwd", gemm, "paired_gemm", max(1, runs.warmup), runs.reps)
 
 
-def floor_times(dev: Device, shape: Shape, runs: Runs) -> dict[str, Any]:
-    """The 3-GEMM floor of the head at this shape, each product timed on its own (random bf16 operands)."""
+@dataclass
+class Floor:
+    """The head's three cuBLAS products at one shape, on random bf16 operands: ``X W^T`` ``[N, V]``, ``G W``
+    ``[N, H]`` and ``G^T X`` ``[V, H]``; ``all`` runs them back to back, as one fused head would."""
+
+    products: tuple[Callable[[], Any], ...]
+
+    def all(self) -> None:
+        for product in self.products:
+            product()
+
+
+def make_floor(dev: Device, shape: Shape) -> Floor:
     d, bf = dev.torch_device, torch.bfloat16
     x = torch.randn(shape.n, shape.h, device=d, dtype=bf)
     w = torch.randn(shape.v, shape.h, device=d, dtype=bf)
     g = torch.randn(shape.n, shape.v, device=d, dtype=bf)
     dx, dw = torch.empty_like(x), torch.empty_like(w)
-    products = (
-        lambda: torch.mm(x, w.T, out=g),
-        lambda: torch.mm(g, w, out=dx),
-        lambda: torch.mm(g.T, x, out=dw),
+    return Floor(
+        (
+            lambda: torch.mm(x, w.T, out=g),
+            lambda: torch.mm(g, w, out=dx),
+            lambda: torch.mm(g.T, x, out=dw),
+        )
     )
-    gemms = [median(dev.time_ms(p, max(1, runs.warmup), runs.reps)) for p in products]
+
+
+def floor_times(dev: Device, floor: Floor, runs: Runs) -> dict[str, Any]:
+    """The 3-GEMM floor timed on its own, each product apart (the tables' ``floor ms`` column; the ratios use the
+    floor timed in turns with each provider)."""
+    gemms = [median(dev.time_ms(p, max(1, runs.warmup), runs.reps)) for p in floor.products]
     return {"gemm_ms": gemms, "gemm1_ms": gemms[0], "floor_ms": sum(gemms)}
 
 
@@ -478,8 +518,8 @@ class Bench:
 
     def main(self, shapes: list[Shape]) -> None:
         for shape in shapes:
-            floor, err = guarded(self.dev, lambda shape=shape: floor_times(self.dev, shape, self.runs))
-            self.dev.free()
+            floor_ops = make_floor(self.dev, shape)
+            floor, err = guarded(self.dev, lambda ops=floor_ops: floor_times(self.dev, ops, self.runs))
             self.data["floor"][shape.name] = floor or {"status": err}
             print(f"[floor] {shape.name}: {floor or err}", flush=True)
             for dist in self.args.dists:
@@ -487,33 +527,41 @@ class Bench:
                 count = (y != IGNORE).sum().float()
                 ref = reference(x, w, y, torch.full_like(y, 1.0, dtype=torch.float32) / count, shape.softcap)
 
-                def run(fn: LossFn, x=x, w=w, y=y, ref=ref, dist=dist, shape=shape) -> dict[str, Any]:
-                    rec = measure_fwd_bwd(self.dev, fn, x, w, y, "mean", shape.softcap, self.runs, ref=ref)
+                def run(fn: LossFn, x=x, w=w, y=y, ref=ref, dist=dist, shape=shape, ops=floor_ops) -> dict[str, Any]:
+                    rec = measure_fwd_bwd(
+                        self.dev, fn, x, w, y, "mean", shape.softcap, self.runs, ref=ref, floor=ops.all
+                    )
                     if dist == "flat":
-                        rec.update(measure_forward(self.dev, fn, x, w, y, shape.softcap, self.runs))
+                        gemm = ops.products[0]
+                        rec.update(measure_forward(self.dev, fn, x, w, y, shape.softcap, self.runs, gemm=gemm))
                     return rec
 
                 for name, status, fields in self.each_provider(shape, run):
                     self.row("main", shape, name, dist=dist, status=status, **fields)
                     self.log("main", shape, dist, name, status, fields)
-                del x, w, y, ref
+                del x, w, y, ref, run
                 self.dev.free()
                 self.save()
+            del floor_ops
+            self.dev.free()
 
     def pertoken(self, shapes: list[Shape]) -> None:
         for shape in shapes:
+            floor_ops = make_floor(self.dev, shape)
             x, w, y = make_inputs(shape, "flat", self.dev, self.args.seed)
             gen = torch.Generator(device=self.dev.torch_device).manual_seed(self.args.seed + 1)
             grad_out = torch.randn(shape.n, device=self.dev.torch_device, generator=gen)
             ref = reference(x, w, y, grad_out, shape.softcap)
 
-            def run(fn: LossFn, x=x, w=w, y=y, g=grad_out, ref=ref, shape=shape) -> dict[str, Any]:
-                return measure_fwd_bwd(self.dev, fn, x, w, y, "none", shape.softcap, self.runs, grad_out=g, ref=ref)
+            def run(fn: LossFn, x=x, w=w, y=y, g=grad_out, ref=ref, shape=shape, floor=floor_ops.all) -> dict[str, Any]:
+                return measure_fwd_bwd(
+                    self.dev, fn, x, w, y, "none", shape.softcap, self.runs, grad_out=g, ref=ref, floor=floor
+                )
 
             for name, status, fields in self.each_provider(shape, run):
                 self.row("pertoken", shape, name, dist="flat", status=status, **fields)
                 self.log("pertoken", shape, "none", name, status, fields)
-            del x, w, y, ref, grad_out
+            del x, w, y, ref, grad_out, floor_ops, run
             self.dev.free()
             self.save()
 
@@ -620,15 +668,24 @@ def _minus(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else a - b
 
 
-def _cell(rec: dict[str, Any], floor: float | None) -> str:
+def _yardstick(rec: dict[str, Any] | None, key: str, standalone: dict[str, float | None]) -> float | None:
+    """What a row's time is divided by: the yardstick timed in turns with it (``paired_floor_ms`` or
+    ``paired_gemm_ms``), else the shape's own timing (older runs)."""
+    if rec is None:
+        return None
+    return rec.get(key) or standalone.get(rec["shape"])
+
+
+def _cell(rec: dict[str, Any], floors: dict[str, float | None]) -> str:
     if rec.get("status") != "ok":
         return str(rec.get("status"))
     gb = f" · {fmt_gb(rec['extra_bytes'])} GB" if rec.get("extra_bytes") is not None else ""
-    return f"{fmt_ratio(ratio(rec.get('fwdbwd_ms'), floor))}{gb}"
+    return f"{fmt_ratio(ratio(rec.get('fwdbwd_ms'), _yardstick(rec, 'paired_floor_ms', floors)))}{gb}"
 
 
 def render_tables(data: dict[str, Any]) -> str:
     floors = {k: v.get("floor_ms") for k, v in data["floor"].items()}
+    gemms = {k: v.get("gemm1_ms") for k, v in data["floor"].items()}
     providers = list(dict.fromkeys(r["provider"] for r in data["main"] + data["pertoken"] + data["cpu_memory"]))
     parts = [f"# Kernel benchmark: {data['env']['device_name']} ({data['env']['device']})", ""]
     parts.append("Versions: " + ", ".join(f"{k} {v}" for k, v in data["env"]["packages"].items() if v))
@@ -639,12 +696,16 @@ def render_tables(data: dict[str, Any]) -> str:
         idx = _index(data["main"])
         keys = list(dict.fromkeys((r["shape"], r["dist"]) for r in data["main"]))
         parts += ["", "## fwd+bwd ÷ 3-GEMM floor · extra memory (grads included)", ""]
+        parts.append(
+            "Each provider's calls are timed in turns with the floor's three cuBLAS GEMMs run back to back, and "
+            "divided by the median of those (a GPU at its power limit changes its clocks within a fraction of a "
+            "second). `floor ms` and `1 GEMM ms`: the shape's GEMMs timed on their own, for scale."
+        )
+        parts.append("")
         rows = []
         for shape, dist in keys:
             fl = data["floor"].get(shape, {})
-            cells = [
-                _cell(idx[(shape, dist, p)], floors.get(shape)) if (shape, dist, p) in idx else "" for p in providers
-            ]
+            cells = [_cell(idx[(shape, dist, p)], floors) if (shape, dist, p) in idx else "" for p in providers]
             rows.append([shape, dist, fmt_ms(fl.get("floor_ms")), fmt_ms(fl.get("gemm1_ms")), *cells])
         parts.append(markdown_table(["shape", "dist", "floor ms", "1 GEMM ms", *providers], rows))
 
@@ -659,9 +720,10 @@ def render_tables(data: dict[str, Any]) -> str:
                     r["dist"],
                     r["provider"],
                     fmt_ms(ms),
-                    fmt_ratio(ratio(ms, floors.get(r["shape"]))),
+                    fmt_ratio(ratio(ms, _yardstick(r, "paired_floor_ms", floors))),
                     fmt_ratio(ratio(_ok(ours, "fwdbwd_ms"), ms)),
                     fmt_ms(_ok(r, "fwd_ms")),
+                    fmt_ratio(ratio(_ok(r, "fwd_ms"), _yardstick(r, "paired_gemm_ms", gemms))),
                     fmt_gb(_ok(r, "extra_bytes")),
                     fmt_gb(_minus(_ok(r, "extra_bytes"), _ok(r, "grad_bytes"))),
                     fmt_err(_ok(r, "dx_err")),
@@ -670,7 +732,7 @@ def render_tables(data: dict[str, Any]) -> str:
                     r["status"],
                 ]
             )
-        headers = ["shape", "dist", "provider", "fwd+bwd ms", "÷ floor", "ours ÷ it", "fwd ms (no grad)"]
+        headers = ["shape", "dist", "provider", "fwd+bwd ms", "÷ floor", "ours ÷ it", "fwd ms (no grad)", "÷ 1 GEMM"]
         headers += ["extra GB", "extra − grads GB", "dX err", "dW err", "loss err", "status"]
         parts.append(markdown_table(headers, rows))
 
@@ -686,7 +748,7 @@ def render_tables(data: dict[str, Any]) -> str:
                     r["shape"],
                     r["provider"],
                     fmt_ms(ms),
-                    fmt_ratio(ratio(ms, floors.get(r["shape"]))),
+                    fmt_ratio(ratio(ms, _yardstick(r, "paired_floor_ms", floors))),
                     fmt_ratio(ratio(ours, ms)),
                 ]
                 + [fmt_gb(_ok(r, "extra_bytes")), fmt_err(_ok(r, "dx_err")), fmt_err(_ok(r, "dw_err")), r["status"]]
@@ -754,7 +816,7 @@ def render_plots(data: dict[str, Any], path: Path) -> None:
         bar_groups(
             next(axes_iter),
             groups,
-            series(lambda r, s: ratio(_ok(r, "fwdbwd_ms"), floors.get(s))),
+            series(lambda r, s: ratio(_ok(r, "fwdbwd_ms"), _yardstick(r, "paired_floor_ms", floors))),
             "fwd+bwd ÷ 3-GEMM floor",
             "Time ratio to the floor (dashed: 1.0 and 1.33 = recompute)",
             hlines=(1.0, 4 / 3),

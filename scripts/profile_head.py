@@ -26,14 +26,21 @@
    time per kernel.
 10. ``reference``: fwd+bwd, the no-grad forward and the per-token path with every tile's softmax sums relative to the
    row's ``t_y + 32`` (``HF_FLCE_ROW_REFERENCE=1``, the default) against the tile's own max (``=0``), in turns.
+11. ``power``: at one chunk of the engine's default plan, cuBLAS's logits GEMM, the epilogue GEMM (statistics only, and
+   E stored for the scaled gradient) and cuBLAS's dX GEMM, each run for ~1.5 s after 0.5 s of the same load, with the
+   GPU's clock and power draw sampled by ``nvidia-smi``: ms, MHz, W and mJ per call. At its power limit a GPU's time
+   per call follows the call's energy, not its latency.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -600,6 +607,91 @@ def host_per_call() -> dict:
     return row
 
 
+def _steady_ms(fn, seconds: float = 1.5) -> tuple[float, float, float]:
+    """ms per call of ``fn`` run back to back for ``seconds`` after 0.5 s of the same load, and that window's
+    wall-clock bounds."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    settle = time.time() + 0.5
+    while time.time() < settle:
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    calls, t0 = 0, time.time()
+    start.record()
+    while time.time() - t0 < seconds:
+        fn()
+        calls += 1
+        if calls % 4 == 0:
+            torch.cuda.synchronize()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / calls, t0, time.time()
+
+
+def _smi_samples(path: str) -> list[tuple[float, float, float]]:
+    samples = []
+    for line in Path(path).read_text().splitlines():
+        fields = [f.strip() for f in line.split(",")]
+        try:
+            stamp = datetime.datetime.strptime(fields[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
+            samples.append((stamp, float(fields[1]), float(fields[2])))
+        except (ValueError, IndexError):
+            continue
+    return samples
+
+
+def power(name: str) -> list[dict]:
+    """Energy per call of the head's GEMMs at one chunk of the default plan (cuBLAS and ours), from nvidia-smi's
+    clock and power samples (every 50 ms) over each kernel's steady window."""
+    n, h, v = SHAPES[name]
+    softcap = 30.0 if name == "gemma2-2b" else None
+    rows = plan_chunk_rows(n, v, triton_gemm.bytes_per_logit(v, _plain(v, softcap)), GiB, 4 * v * h)
+    x, w, y = inputs(rows, h, v)
+    x, w = x.detach(), w.detach()
+    params = _plain(v, softcap)
+    logits = torch.empty(rows, v, device="cuda", dtype=torch.bfloat16)
+    _, scaled = triton_gemm.forward(x, w, None, y, params, keep=True, scaled=True)
+    dx = logits[:, :h]
+    calls = {
+        "cublas_logits": lambda: torch.mm(x, w.T, out=logits),
+        "ours_stats": lambda: triton_gemm.forward(x, w, None, y, params, keep=False),
+        "ours_scaled": lambda: triton_gemm.forward(x, w, None, y, params, keep=True, scaled=True),
+        "cublas_dx": lambda: torch.mm(scaled.e, w, out=dx),
+    }
+    with tempfile.NamedTemporaryFile("w", suffix=".csv", delete=False) as log:
+        smi = subprocess.Popen(
+            ["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw", "--format=csv,noheader,nounits", "-lms", "50"],
+            stdout=log,
+        )
+        try:
+            windows = {label: _steady_ms(fn) for label, fn in calls.items()}
+        finally:
+            smi.terminate()
+            smi.wait()
+    samples = _smi_samples(log.name)
+    os.unlink(log.name)
+    out = []
+    for label, (ms, t0, t1) in windows.items():
+        inside = [s for s in samples if t0 + 0.1 <= s[0] <= t1]
+        mhz = median([s[1] for s in inside]) if inside else None
+        watts = median([s[2] for s in inside]) if inside else None
+        row = dict(shape=name, rows=rows, call=label, ms=ms, mhz=mhz, watts=watts, samples=len(inside))
+        row["mj_per_call"] = None if watts is None else watts * ms
+        out.append(row)
+        print(
+            f"{name:>11} {rows} rows {label:>14}: {ms:.3f} ms, {mhz} MHz, {watts} W, {row['mj_per_call']} mJ",
+            flush=True,
+        )
+    return out
+
+
+def _plain(vocab: int, softcap: float | None) -> TileParams:
+    """A plain loss's parameters (no optional statistics), as the engine passes them."""
+    return TileParams(vocab, -100, 0.0, 0.0, softcap, 1.0, None, None, frozenset())
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="outputs/profile")
@@ -623,6 +715,7 @@ def main() -> None:
         timeline=[],
         scaled=[],
         reference=[],
+        power=[],
     )
     for name in args.shapes.split(","):
         if "budget" in sections:
@@ -645,6 +738,8 @@ def main() -> None:
             result["scaled"].append(switch_ab(name, "HF_FLCE_SCALED_GRAD"))
         if "reference" in sections:
             result["reference"].append(switch_ab(name, "HF_FLCE_ROW_REFERENCE", ("fwd_bwd", "no_grad", "pertoken")))
+        if "power" in sections:
+            result["power"] += power(name)
         torch.cuda.empty_cache()
     if "host" in sections:
         result["host"].append(host_per_call())

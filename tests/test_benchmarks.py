@@ -70,10 +70,16 @@ def test_kernel_benchmark_cpu(tmp_path: Path, capsys) -> None:
         for name in ("stock", "ours"):
             assert rows[name]["status"] == "ok", rows[name]
             assert rows[name]["fwdbwd_ms"] > 0 and rows[name]["dx_err"] < 5e-2 and rows[name]["dw_err"] < 5e-2
+            # the floor timed in turns with the provider, once per timed call
+            assert len(rows[name]["paired_floor_times"]) == len(rows[name]["fwdbwd_times"])
+            assert rows[name]["paired_floor_ms"] > 0
+            if dist == "flat":
+                assert len(rows[name]["paired_gemm_times"]) == len(rows[name]["fwd_times"])
     assert _by_provider(data["main"], shape="64x32x512x30")["ours"]["status"] == "ok"
     assert kernel.unsupported("torch_lce", kernel.stock_loss, kernel.parse_shape("64x32x512x30")) == "n/a: no softcap"
     assert data["floor"]["64x32x512"]["floor_ms"] > 0
     assert _by_provider(data["pertoken"])["ours"]["status"] == "ok"
+    assert _by_provider(data["pertoken"])["ours"]["paired_floor_ms"] > 0
     assert _by_provider(data["masked"])["stock"]["unmasked_ms"] > 0
     mem = _by_provider(data["cpu_memory"])
     assert mem["stock"]["status"] == "ok" and mem["stock"]["rss_extra_bytes"] >= 0, mem["stock"]
