@@ -26,8 +26,8 @@
    time per kernel.
 10. ``reference``: fwd+bwd, the no-grad forward and the per-token path with every tile's softmax sums relative to the
    row's ``t_y + 32`` (``HF_FLCE_ROW_REFERENCE=1``, the default) against the tile's own max (``=0``), in turns.
-11. ``power``: at one chunk of the engine's default plan, cuBLAS's logits GEMM, the epilogue GEMM (statistics only, and
-   E stored for the scaled gradient) and cuBLAS's dX GEMM, each run for ~1.5 s after 0.5 s of the same load, with the
+11. ``power``: at one chunk of the engine's default plan (for N rows, all kept), cuBLAS's logits GEMM, the epilogue
+   GEMM's forward (statistics only, and E stored for the scaled gradient, each with its small kernels) and cuBLAS's dX GEMM, each run for ~1.5 s after 0.5 s of the same load, with the
    GPU's clock and power draw sampled by ``nvidia-smi``: ms, MHz, W and mJ per call. At its power limit a GPU's time
    per call follows the call's energy, not its latency.
 """
@@ -610,13 +610,7 @@ def host_per_call() -> dict:
 def _steady_ms(fn, seconds: float = 1.5) -> tuple[float, float, float]:
     """ms per call of ``fn`` run back to back for ``seconds`` after 0.5 s of the same load, and that window's
     wall-clock bounds."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    settle = time.time() + 0.5
-    while time.time() < settle:
-        fn()
-    torch.cuda.synchronize()
+    Device("cuda").time_rounds([fn], 3, 0, settle_s=0.5)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     calls, t0 = 0, time.time()
     start.record()
@@ -643,14 +637,14 @@ def _smi_samples(path: str) -> list[tuple[float, float, float]]:
 
 
 def power(name: str) -> list[dict]:
-    """Energy per call of the head's GEMMs at one chunk of the default plan (cuBLAS and ours), from nvidia-smi's
-    clock and power samples (every 50 ms) over each kernel's steady window."""
+    """Energy per call of the head's GEMMs at one chunk of the default plan for the shape's N rows, all counted as kept
+    (cuBLAS, and ours through ``triton_gemm.forward`` with its small kernels), from nvidia-smi's clock and power
+    samples (every 50 ms) over each call's steady window."""
     n, h, v = SHAPES[name]
-    softcap = 30.0 if name == "gemma2-2b" else None
-    rows = plan_chunk_rows(n, v, triton_gemm.bytes_per_logit(v, _plain(v, softcap)), GiB, 4 * v * h)
+    params = _plain(v, 30.0 if name == "gemma2-2b" else None)
+    rows = plan_chunk_rows(n, v, triton_gemm.bytes_per_logit(v, params), GiB, 4 * v * h)
     x, w, y = inputs(rows, h, v)
     x, w = x.detach(), w.detach()
-    params = _plain(v, softcap)
     logits = torch.empty(rows, v, device="cuda", dtype=torch.bfloat16)
     _, scaled = triton_gemm.forward(x, w, None, y, params, keep=True, scaled=True)
     dx = logits[:, :h]
