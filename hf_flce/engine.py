@@ -206,6 +206,9 @@ class _GradBuffers:
         self.db = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_db else None
         self.weight = weight
         self.weight_dtype = weight_dtype
+        # a scaled gradient's dW target terms, per chunk, summed into dW once after the last chunk
+        self.target_coefs: list[torch.Tensor] = []
+        self.scaled_kind = None
 
     def add(self, start, end, grad_logits, x_chunk):
         if hasattr(grad_logits, "row_scale"):
@@ -249,13 +252,25 @@ class _GradBuffers:
             )
         if self.need_dw:
             self._add_dw(grad.e, grad.x_operand(x_chunk))
-            grad.add_target_rows(self.dw, x_chunk)
+            self.target_coefs.append(grad.target_coef)
+            self.scaled_kind = type(grad)
+
+    def add_target_rows(self, x: torch.Tensor, target: torch.Tensor, ignore_index: int) -> None:
+        """A scaled gradient's ``dW[y_i] += c_i x_i`` over every chunk at once, once the last chunk's dW GEMM is in:
+        one sort of the kept targets and one launch per call instead of per chunk. ``x`` is the op's input and
+        ``target`` the kept rows' targets."""
+        if not self.target_coefs:
+            return
+        coefs = self.target_coefs[0] if len(self.target_coefs) == 1 else torch.cat(self.target_coefs)
+        self.scaled_kind.add_target_rows(self.dw, x, self.rows, target, coefs, ignore_index)
+        self.target_coefs = []
 
     def finish(self, scale: torch.Tensor | None = None, scale_into=None):
         """dX, dW (in the weight's dtype) and db, each times ``scale`` (float32 0-d) when given. The buffers are
         handed out, so they are scaled in place (no second copy of dX, which grows with N); the float32 -> weight
         dtype cast of a dW accumulator and its scaling are one pass. ``scale_into(src, scale, out)`` is the
         backend's multiply (the scale is read in float32 either way)."""
+        assert not self.target_coefs, "a scaled gradient's target rows are added (add_target_rows) before finish"
         scale_into = scale_into or (lambda src, s, out: torch.mul(src, s, out=out))
         dx, dw, db = self.dx, None, self.db
         if self.residual is not None:
@@ -543,6 +558,8 @@ def _forward(x, weight, bias, target, plan: CallPlan, needs_input_grad) -> tuple
             kept = kept_chunk
         # the next chunk's buffers must not be allocated while this chunk's are still referenced
         del grad_out, kept_chunk
+    if eager:
+        grads.add_target_rows(x, ys, plan.params.ignore_index)
 
     kept_stats = _joined_stats(chunk_stats, x.device)
     outputs = _outputs(kept_stats, plan, lambda values: _scatter_rows(values, rows, n))

@@ -481,6 +481,29 @@ def test_kernel_computes_only_the_rows_counted_on_the_device(count):
     assert maxima[:, count:].isnan().all(), "rows past the count were computed"
 
 
+@pytest.mark.parametrize("group_blocks", [0, 3, 5, None], ids=lambda g: "L2-default" if g is None else f"{g}-blocks")
+def test_kernel_visits_every_tile_once_in_any_group_order(group_blocks):
+    """Row blocks go in groups of as many as ``L2_GROUP_BYTES`` of X holds (at least GROUP_M, 4 in the
+    interpreter): every grouping, a ragged last group included, computes every tile exactly once."""
+    n, k, v = 150, 24, 100  # 10 row blocks of the interpreter's 16 rows; V is 3 full column blocks and a ragged one
+    hidden, weight, target, _ = make_inputs(n, k, v, ignore_every=0, seed=5)
+    params = params_for(v)
+    max_tiles = triton_gemm._max_tiles(v)
+    partials = torch.full((5 * max_tiles * n,), float("nan"), device=DEVICE)
+    best = torch.zeros(max_tiles * n, dtype=torch.int32, device=DEVICE)
+    group_bytes = triton_gemm.L2_GROUP_BYTES if group_blocks is None else group_blocks * 16 * k * hidden.element_size()
+    with mock.patch.object(triton_gemm, "L2_GROUP_BYTES", group_bytes):
+        triton_gemm._gemm(hidden, weight, None, target, params, 0, None, partials, best, None, None, (None,) * 3)
+    tile_n = triton_gemm._head_gemm_kernel.best_config.kwargs["BN"]
+    n_tiles = -(-v // tile_n)
+    logits = hidden.double() @ weight.double().T
+    padded = torch.nn.functional.pad(logits, (0, n_tiles * tile_n - v), value=float("-inf"))
+    expected_max = padded.view(n, n_tiles, tile_n).amax(-1).T
+    expected_sum = (padded.view(n, n_tiles, tile_n) - expected_max.T[..., None]).exp().sum(-1).T
+    assert_close(partials[: n_tiles * n].view(n_tiles, n), expected_max, 1e-5, "tile maxima")
+    assert_close(partials[n_tiles * n : 2 * n_tiles * n].view(n_tiles, n), expected_sum, 1e-5, "tile sums")
+
+
 @pytest.mark.parametrize("v", [1, 31, 32, 100])
 @pytest.mark.parametrize(
     "opts",

@@ -90,6 +90,12 @@ def _configs():
     ]
 
 
+# L2 bytes the X tiles of one group of row blocks may take (an H100/H200 has 50 MB of L2): with the W tiles the
+# group's programs load meanwhile, the working set stays well inside it. On an H200 (docs/PERF_NOTES.md v17) the thin-H
+# chunks (qwen3-0.6b's 6 MB of X, gemma2-2b's 9 MB) then sweep W once instead of 3-4 times.
+L2_GROUP_BYTES = 16 << 20
+
+
 def _tma_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """TMA tile loads (device-side tensor descriptors): Hopper or newer, 16-byte aligned rows and bases."""
     if (
@@ -129,7 +135,7 @@ def _tma_scratch(size: int, alignment: int, stream):
 
 
 @triton.jit
-def grouped_block(tile, tiles_m, per_group, GROUP_M: tl.constexpr):
+def grouped_block(tile, tiles_m, per_group, GROUP_M):
     """Row and column block of tile ``tile`` in grouped order (``per_group = GROUP_M * tiles_n``): GROUP_M row blocks
     sweep the columns together, so each column block's operand tile is read from L2 that often."""
     first_m = (tile // per_group) * GROUP_M
@@ -233,6 +239,7 @@ def _head_gemm_kernel(
     smooth_over_v,
     z_loss,
     ref_offset,
+    group_rows,
     MODE: tl.constexpr,
     ROWS_ON_DEVICE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -268,8 +275,11 @@ def _head_gemm_kernel(
     tiles_m = tl.cdiv(M, BM)
     tiles_n = tl.cdiv(V, BN)
     full_n = V // BN
-    # Grouped order: GROUP_M row blocks sweep the vocabulary together, so each W tile is read from L2 that often.
-    per_group = GROUP_M * full_n
+    # Grouped order: a group of row blocks sweeps the vocabulary together, so each W tile is read from HBM once per
+    # group and from L2 by every row block of it. As many row blocks as ``group_rows`` (their X tiles held in L2), at
+    # least GROUP_M: a thin-H chunk is one group, and W comes from HBM once.
+    group_m = tl.maximum(group_rows // BM, GROUP_M)
+    per_group = group_m * full_n
     stat_stride = tiles_n * N
     programs = tl.num_programs(0)
     x_desc = x_ptr
@@ -294,7 +304,7 @@ def _head_gemm_kernel(
             stop = tiles_m * (tiles_n - full_n)
         for tile in tl.range(start, stop, programs, flatten=FLATTEN):
             if RAGGED == 0:
-                pid_m, pid_n = grouped_block(tile, tiles_m, per_group, GROUP_M)
+                pid_m, pid_n = grouped_block(tile, tiles_m, per_group, group_m)
             else:
                 pid_m = tile
                 pid_n = full_n
@@ -908,6 +918,7 @@ def _gemm(
         params.label_smoothing / params.vocab,
         params.z_loss,
         triton_scaled.REF_OFFSET,
+        L2_GROUP_BYTES // (k * x.element_size()),
     )
     flags = dict(
         MODE=mode,

@@ -220,14 +220,18 @@ def _add_segments(value, start, other_value, other_start):
 
 
 @triton.jit
-def _target_terms(order_ptr, pos, ok, c_ptr, x_ptr, stride_xn, cols, col_ok):
-    """``c_i x_i`` (float32 ``[positions, cols]``) of the rows at sorted positions ``pos``, 0 where not ``ok``."""
+def _target_terms(order_ptr, pos, ok, c_ptr, x_ptr, stride_xn, x_rows_ptr, cols, col_ok, HAS_ROWS: tl.constexpr):
+    """``c_i x_i`` (float32 ``[positions, cols]``) of the kept rows at sorted positions ``pos``, 0 where not ``ok``.
+    Kept row ``i`` is row ``x_rows[i]`` of ``x`` (a compacted batch) or row ``i``; it is rounded to bf16 first, as the
+    dW GEMM's operand was."""
     row = tl.load(order_ptr + pos, mask=ok, other=0)
     c = tl.load(c_ptr + row, mask=ok, other=0.0)
+    if HAS_ROWS:
+        row = tl.load(x_rows_ptr + row, mask=ok, other=0)
     x = tl.load(
         x_ptr + row.to(tl.int64)[:, None] * stride_xn + cols[None, :], mask=ok[:, None] & col_ok[None, :], other=0.0
     )
-    return c[:, None] * x.to(tl.float32)
+    return c[:, None] * x.to(tl.bfloat16).to(tl.float32)
 
 
 @triton.jit
@@ -237,11 +241,13 @@ def _target_rows_kernel(
     c_ptr,
     x_ptr,
     stride_xn,
+    x_rows_ptr,
     dw_ptr,
     stride_dw,
     n,
     H,
     ignore_index,
+    HAS_ROWS: tl.constexpr,
     BP: tl.constexpr,
     BH: tl.constexpr,
 ):
@@ -260,7 +266,7 @@ def _target_rows_kernel(
     ends = in_range & (v != ignore_index) & ((pos + 1 == n) | (after != v))
     starts = (pos == first) | (before != v)
     segment_starts = tl.broadcast_to(starts[:, None], (BP, BH))
-    terms = _target_terms(order_ptr, pos, in_range, c_ptr, x_ptr, stride_xn, cols, col_ok)
+    terms = _target_terms(order_ptr, pos, in_range, c_ptr, x_ptr, stride_xn, x_rows_ptr, cols, col_ok, HAS_ROWS)
     sums, _ = tl.associative_scan((terms, segment_starts), 0, _add_segments)
     # the block's first run may have begun in an earlier block
     first_v = tl.load(sorted_y_ptr + first)
@@ -274,7 +280,10 @@ def _target_rows_kernel(
                 idx = last - BP + 1 + offs
                 in_run = idx >= 0
                 in_run &= tl.load(sorted_y_ptr + idx, mask=in_run, other=ignore_index) == first_v
-                earlier += tl.sum(_target_terms(order_ptr, idx, in_run, c_ptr, x_ptr, stride_xn, cols, col_ok), 0)
+                terms = _target_terms(
+                    order_ptr, idx, in_run, c_ptr, x_ptr, stride_xn, x_rows_ptr, cols, col_ok, HAS_ROWS
+                )
+                earlier += tl.sum(terms, 0)
                 # the run goes on below this block only if all of the block is in it
                 more = tl.sum(in_run.to(tl.int32), 0) == BP
                 last -= BP
@@ -340,25 +349,37 @@ class ScaledGradient:
         """``diag(s) x`` in ``E``'s dtype: dW's second operand."""
         return self._rows(x, torch.empty(x.shape, dtype=self.e.dtype, device=x.device))
 
-    def add_target_rows(self, dw: torch.Tensor, x: torch.Tensor) -> None:
-        """``dW[y_i] += c_i x_i`` (in float32, each dW row updated once)."""
-        n, h = x.shape
+    @staticmethod
+    def add_target_rows(
+        dw: torch.Tensor,
+        x: torch.Tensor,
+        x_rows: torch.Tensor | None,
+        target: torch.Tensor,
+        target_coef: torch.Tensor,
+        ignore_index: int,
+    ) -> None:
+        """``dW[y_i] += c_i x_i`` over every kept row of a call (in float32, each dW row updated once), after its last
+        chunk: one sort and one launch per call. Kept row ``i`` is row ``x_rows[i]`` of ``x``, or row ``i`` without
+        ``x_rows``; ``target`` and ``target_coef`` are per kept row."""
+        n, h = target.shape[0], x.shape[1]
         if n == 0:
             return
-        sorted_y, order = torch.sort(self.target, stable=True)
+        sorted_y, order = torch.sort(target, stable=True)
         bp, bh = 32, min(128, triton.next_power_of_2(h))
         with TritonTileOps._device_guard(x.device):
             _target_rows_kernel[(triton.cdiv(n, bp), triton.cdiv(h, bh))](
                 sorted_y,
                 order,
-                self.target_coef,
+                target_coef,
                 x,
                 x.stride(0),
+                order if x_rows is None else x_rows,
                 dw,
                 dw.stride(0),
                 n,
                 h,
-                self.ignore_index,
+                ignore_index,
+                HAS_ROWS=x_rows is not None,
                 BP=bp,
                 BH=bh,
                 num_warps=4,

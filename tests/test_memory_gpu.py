@@ -1,0 +1,72 @@
+"""Peak memory of one fwd+bwd on the GPU, at the llama3-8b head's shape (H = 4096, V = 128256, bf16), against what
+the engine's plan allows. A regression of a few hundred MB (a float32 temporary kept alive over the dW GEMM, as in
+docs/PERF_NOTES.md v15) shows here before a benchmark run.
+
+The bounds, beyond the two gradients (dX, dW) and the inputs, at the default 1 GiB budget:
+- default: the float32 dW accumulator ``4 V H`` (a single chunk is taken when its bf16 ``E`` is no larger than the
+  accumulator plus the budget, so the accumulator's size bounds that case too at these N);
+- lean (``HF_FLCE_DW_RESIDUAL=1``): the budget, which covers the int8 residual and the chunks (issue #6's target 2).
+Each plus 96 MiB for the small per-row buffers and cuBLAS's workspace.
+"""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+
+import hf_flce
+import hf_flce.api
+from hf_flce.backends import resolve_backend
+from hf_flce.backends.triton_tiles import TritonTileOps
+
+pytestmark = pytest.mark.gpu
+
+H, V = 4096, 128256
+GiB, MiB = 1 << 30, 1 << 20
+SLACK = 96 * MiB
+
+
+def extra_beyond_grads(n: int, lean: bool) -> tuple[float, float]:
+    """(peak bytes of one fwd+bwd above the inputs, minus dX and dW; the float32 accumulator's size)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(n, H, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+    w = (torch.randn(V, H, device="cuda", generator=gen) * 0.02).to(torch.bfloat16).requires_grad_()
+    y = torch.randint(0, V, (n,), device="cuda", generator=gen)
+    y[::17] = -100
+    tiles = TritonTileOps(dw_residual=True) if lean else resolve_backend("triton", x.device)
+
+    def step():
+        with mock.patch.object(hf_flce.api, "resolve_backend", lambda backend, device: tiles):
+            loss = hf_flce.fused_linear_cross_entropy(x, w, y, backend="triton")
+        loss.backward()
+
+    step()  # compiles the kernels and sizes cuBLAS's workspace
+    x.grad = w.grad = None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    grads = x.numel() * x.element_size() + w.numel() * w.element_size()
+    return peak - grads, 4 * V * H
+
+
+@pytest.mark.parametrize("n", [8192, 32768])
+def test_default_stays_within_the_accumulator(n):
+    if torch.cuda.get_device_properties(0).total_memory < 40 * GiB:
+        pytest.skip("needs a GPU with 40 GiB")
+    beyond, accumulator = extra_beyond_grads(n, lean=False)
+    assert beyond <= accumulator + SLACK, (
+        f"{beyond / GiB:.3f} GiB beyond the gradients (accumulator {accumulator / GiB:.3f})"
+    )
+
+
+@pytest.mark.parametrize("n", [8192, 32768])
+def test_lean_stays_within_the_budget(n):
+    if torch.cuda.get_device_capability(0)[0] < 9:
+        pytest.skip("the residual dW GEMM runs on Hopper and newer")
+    beyond, _ = extra_beyond_grads(n, lean=True)
+    assert beyond <= GiB + SLACK, f"{beyond / GiB:.3f} GiB beyond the gradients"
