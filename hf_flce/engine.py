@@ -142,7 +142,7 @@ def kept_rows(
         check_target_range(target, vocab, ignore_index)
         return None, target
     if fused is not None:
-        order, kept, summary = fused.kept_order(target, ignore_index)
+        order, kept, summary = fused.kept_order(target, ignore_index, vocab)
         n_kept, low, high = summary.tolist()
         _check_range(low, high, vocab, ignore_index)
         return (None, target) if n_kept == n else (order[:n_kept], kept[:n_kept])
@@ -478,7 +478,7 @@ def _statistics_without_sync(x, w_c, bias, target, plan: CallPlan, fused):
         return None
     ignore_index = plan.params.ignore_index
     # the kept rows first; the GEMM reads their count from summary[0], and rows past it are never computed
-    order, y_kept, summary = fused.kept_order(target, ignore_index)
+    order, y_kept, summary = fused.kept_order(target, ignore_index, vocab)
     x_kept = compute_operand(x.index_select(0, order), plan)
     stats, _ = fused.forward(x_kept, w_c, bias, y_kept, plan.params, False, summary)
     if plan.prob_weighted:

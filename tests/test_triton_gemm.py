@@ -199,7 +199,7 @@ def test_kept_order_matches_torch(n):
     target[n // 3 : n // 2] = -100  # a prompt-like span
     target = target.to(DEVICE)
     for t in (target, torch.full_like(target, -100), target.clamp(min=0)):
-        order, kept, summary = triton_gemm.kept_order(t, -100)
+        order, kept, summary = triton_gemm.kept_order(t, -100, 50)
         valid = t != -100
         rows = valid.nonzero().squeeze(1)
         count = rows.numel()
@@ -210,9 +210,13 @@ def test_kept_order_matches_torch(n):
         assert summary[1:].tolist() == [min(low, 0), max(high, 0)]
     bad = target.clone()
     bad[n - 1] = 2**40
-    assert triton_gemm.kept_order(bad, -100)[2][2].item() == 2**40
+    assert triton_gemm.kept_order(bad, -100, 50)[2][2].item() == 2**40
     bad[0] = -7
-    assert triton_gemm.kept_order(bad, -100)[2][1].item() == -7
+    order, kept, summary = triton_gemm.kept_order(bad, -100, 50)
+    assert summary[1].item() == -7
+    # out-of-range targets stay counted (the host raises on the summary) but reach no kernel as an index into W
+    assert summary[0].item() == int((bad != -100).sum())
+    assert kept[0].item() == -100 and kept[int(summary[0]) - 1].item() == -100
 
 
 def test_loss_denominator_is_computed_after_the_gemm_launch(fused_calls):
@@ -246,7 +250,7 @@ def test_no_grad_call_bad_targets_and_edge_batches(fused_calls):
     hidden, weight, target, _, _ = build((), n=9, v=50)
     h, w = half(hidden, weight, None)[:2]
     with torch.no_grad():
-        for bad in (50, -1):
+        for bad in (50, -1, 2**40, -(2**40)):
             wrong = target.clone()
             wrong[4] = bad
             with pytest.raises(ValueError, match=f"target contains {bad}, outside \\[0, V=50\\)"):
@@ -265,7 +269,7 @@ def test_no_grad_call_bad_targets_and_edge_batches(fused_calls):
             TOL,
             "one row",
         )
-    assert fused_calls["forward"] == 5  # the bad targets too: they are caught after the GEMM's launch
+    assert fused_calls["forward"] == 7  # the bad targets too: they are caught after the GEMM's launch
 
 
 def test_no_grad_call_over_the_budget_takes_the_chunked_path(fused_calls):

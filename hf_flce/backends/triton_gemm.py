@@ -427,10 +427,11 @@ def _head_gemm_kernel(
 
 
 @triton.jit
-def _kept_order_kernel(y_ptr, N, ignore_index, order_ptr, y_out_ptr, summary_ptr, BLOCK: tl.constexpr):
+def _kept_order_kernel(y_ptr, N, V, ignore_index, order_ptr, y_out_ptr, summary_ptr, BLOCK: tl.constexpr):
     """One program over the N targets: the kept rows' indices and targets first, in order (slots from a running
     prefix sum), then ``N - 1`` and ``ignore_index`` in the remaining slots; ``summary`` = (kept count, lowest kept
-    target, highest), the targets' range being 0 where none is kept."""
+    target, highest), the targets' range being 0 where none is kept. A kept target outside ``[0, V)`` is written out
+    as ``ignore_index``: the kernels launched before the host reads the summary (and raises) never index W with it."""
     offs = tl.arange(0, BLOCK)
     count = tl.zeros((), tl.int32)
     low = tl.zeros((), tl.int64)
@@ -442,7 +443,7 @@ def _kept_order_kernel(y_ptr, N, ignore_index, order_ptr, y_out_ptr, summary_ptr
         k = keep.to(tl.int32)
         slot = count + tl.cumsum(k, 0) - k
         tl.store(order_ptr + slot, idx.to(tl.int64), mask=keep)
-        tl.store(y_out_ptr + slot, y, mask=keep)
+        tl.store(y_out_ptr + slot, tl.where((y >= 0) & (y < V), y, ignore_index), mask=keep)
         y_kept = tl.where(keep, y, 0)
         low = tl.minimum(low, tl.min(y_kept, 0))
         high = tl.maximum(high, tl.max(y_kept, 0))
@@ -457,16 +458,17 @@ def _kept_order_kernel(y_ptr, N, ignore_index, order_ptr, y_out_ptr, summary_ptr
     tl.store(summary_ptr + 2, high)
 
 
-def kept_order(target: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def kept_order(target: torch.Tensor, ignore_index: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Compaction in one launch that the host need not wait for: ``order`` (int64 [N], the kept rows first and in
-    order, then ``N - 1``), their targets (then ``ignore_index``) and ``summary`` (int64 [3]: the kept count, the
-    lowest and the highest kept target), which one host read can bring back with the range check."""
+    order, then ``N - 1``), their targets (then ``ignore_index``; a target outside ``[0, vocab)`` too) and
+    ``summary`` (int64 [3]: the kept count, the lowest and the highest kept target), which one host read can bring
+    back with the range check."""
     n = target.numel()
     order = torch.empty(n, dtype=torch.int64, device=target.device)
     kept = torch.empty(n, dtype=torch.int64, device=target.device)
     summary = torch.empty(3, dtype=torch.int64, device=target.device)
     with TritonTileOps._device_guard(target.device):
-        _kept_order_kernel[(1,)](target, n, ignore_index, order, kept, summary, BLOCK=4096, num_warps=8)
+        _kept_order_kernel[(1,)](target, n, vocab, ignore_index, order, kept, summary, BLOCK=4096, num_warps=8)
     return order, kept, summary
 
 
