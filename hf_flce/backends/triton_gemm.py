@@ -2,8 +2,8 @@
 
 The default on Hopper and newer GPUs (``HF_FLCE_GEMM_EPILOGUE=0`` switches it off, ``=1`` uses it on every GPU).
 Persistent programs walk the tiles with the tile loop flattened into the K loop, so the next tile's loads overlap this
-tile's epilogue. On an H200 the engine's fwd+bwd runs at 0.96-1.09x the 3-GEMM floor for H >= 3584 and 1.08-1.16x for
-thin H (qwen3-0.6b, gemma2-2b), where the per-logit epilogue decides (docs/PERF_NOTES.md, v6, v10, v13 to v15).
+tile's epilogue. On an H200 the engine's fwd+bwd runs at 1.00-1.12x the 3-GEMM floor for H >= 3584 and 1.13-1.21x for
+thin H (qwen3-0.6b, gemma2-2b), where the per-logit epilogue decides (docs/PERF_NOTES.md, v6, v10, v13 to v17).
 
 The tile path (``triton_tiles``) has cuBLAS write float32 logits and reads them back twice: 12 bytes per logit more
 than the floor's bf16 GEMM. Here each ``[BM, BN]`` tile of ``t``, the logits ``z = x W^T + b`` after softcap and
