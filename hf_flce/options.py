@@ -114,6 +114,8 @@ def check_tensors(
         )
     if weight.shape[0] == 0:
         raise ValueError("weight has V=0 classes")
+    if weight.shape[1] == 0:
+        raise ValueError("weight and hidden have H=0 features")
     if tuple(target.shape) != tuple(hidden.shape[:-1]):
         raise ValueError(
             f"target shape {tuple(target.shape)} must equal the leading shape of hidden {tuple(hidden.shape[:-1])}"

@@ -229,13 +229,9 @@ def engine_section(shapes) -> list[dict]:
 
                 rec[f"{label}_ms"] = time_ms(step)
                 xg.grad = wg.grad = None
-                torch.cuda.synchronize()
-                base = torch.cuda.memory_allocated()
-                torch.cuda.reset_peak_memory_stats()
-                step()
-                torch.cuda.synchronize()
+                _, extra = Device("cuda").extra_memory(step)
                 grads = xg.grad.nbytes + wg.grad.nbytes
-                rec[f"{label}_extra_beyond_grads_gib"] = (torch.cuda.max_memory_allocated() - base - grads) / 2**30
+                rec[f"{label}_extra_beyond_grads_gib"] = (extra - grads) / 2**30
                 rec[f"{label}_ratio"] = rec[f"{label}_ms"] / floor
                 if label == "off":
                     ref_grads = (xg.grad.float(), wg.grad.float())

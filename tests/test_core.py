@@ -336,6 +336,8 @@ def test_bad_inputs_are_named():
     _bad("outside \\[0, V=10\\)", target=torch.tensor([0, 10, 1, 2]))
     _bad("outside \\[0, V=10\\)", target=torch.tensor([0, -1, 1, 2]))
     _bad("hidden size mismatch", hidden=torch.randn(4, 7))
+    _bad("V=0 classes", weight=torch.randn(0, 8))
+    _bad("H=0 features", hidden=torch.randn(4, 0), weight=torch.randn(10, 0))
     _bad("target shape", target=torch.randint(0, 10, (5,)))
     _bad("integer", TypeError, target=torch.rand(4))
     _bad("same dtype", TypeError, weight=torch.randn(10, 8, dtype=torch.float64).to(torch.bfloat16))

@@ -15,6 +15,7 @@ from unittest import mock
 
 import pytest
 import torch
+from test_benchmarks import _load
 
 import hf_flce
 import hf_flce.api
@@ -22,6 +23,7 @@ from hf_flce.backends import resolve_backend
 from hf_flce.backends.triton_tiles import TritonTileOps
 
 pytestmark = pytest.mark.gpu
+Device = _load("bench_common").Device
 
 H, V = 4096, 128256
 GiB, MiB = 1 << 30, 1 << 20
@@ -30,6 +32,8 @@ SLACK = 96 * MiB
 
 def extra_beyond_grads(n: int, lean: bool) -> tuple[float, float]:
     """(peak bytes of one fwd+bwd above the inputs, minus dX and dW; the float32 accumulator's size)."""
+    if torch.cuda.get_device_properties(0).total_memory < 40 * GiB:
+        pytest.skip("needs a GPU with 40 GiB")
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(n, H, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
     w = (torch.randn(V, H, device="cuda", generator=gen) * 0.02).to(torch.bfloat16).requires_grad_()
@@ -44,20 +48,13 @@ def extra_beyond_grads(n: int, lean: bool) -> tuple[float, float]:
 
     step()  # compiles the kernels and sizes cuBLAS's workspace
     x.grad = w.grad = None
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    step()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
+    _, peak = Device("cuda").extra_memory(step)
     grads = x.numel() * x.element_size() + w.numel() * w.element_size()
     return peak - grads, 4 * V * H
 
 
 @pytest.mark.parametrize("n", [8192, 32768])
 def test_default_stays_within_the_accumulator(n):
-    if torch.cuda.get_device_properties(0).total_memory < 40 * GiB:
-        pytest.skip("needs a GPU with 40 GiB")
     beyond, accumulator = extra_beyond_grads(n, lean=False)
     assert beyond <= accumulator + SLACK, (
         f"{beyond / GiB:.3f} GiB beyond the gradients (accumulator {accumulator / GiB:.3f})"
