@@ -47,6 +47,17 @@ def _load(name: str) -> TileOps:
     raise AssertionError(name)
 
 
+@functools.cache
+def _capability_of(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def cuda_capability(device: torch.device) -> tuple[int, int]:
+    """A CUDA device's compute capability (the current device when ``device`` has no index), looked up once: torch's
+    lookup costs microseconds on every call, and a call's GPU waits for its host."""
+    return _capability_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def resolve_backend(backend: str, device: torch.device) -> TileOps:
     """The tile implementation for ``backend`` on ``device``; ``"auto"`` picks by device."""
     if backend not in BACKENDS:

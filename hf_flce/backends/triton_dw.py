@@ -30,6 +30,7 @@ import triton.language as tl
 
 from . import triton_interpreting
 from .triton_gemm import _program_limit, _tma_scratch, _tma_usable, grouped_tile
+from .triton_launch import launch
 from .triton_tiles import TritonTileOps
 
 # Bits of the 16-bit dtypes' significands, and the smallest float32 biased exponent whose residual unit is a normal
@@ -241,7 +242,9 @@ class ResidualDW:
         mant, min_exp = _FORMAT[self.hi.dtype]
         lo = self.hi if self.lo is None else self.lo  # unused pointer when there is one chunk
         with TritonTileOps._device_guard(self.hi.device):
-            _dw_accumulate_kernel[(min(programs, triton.cdiv(m, bm) * triton.cdiv(n, bn)),)](
+            launch(
+                _dw_accumulate_kernel,
+                (min(programs, triton.cdiv(m, bm) * triton.cdiv(n, bn)),),
                 grad_logits,
                 grad_logits.stride(0),
                 x_chunk,

@@ -50,8 +50,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import triton_interpreting, triton_scaled
+from . import cuda_capability, triton_interpreting, triton_scaled
 from .base import TileParams, TileStats
+from .triton_launch import launch
 from .triton_scaled import exact_row
 from .triton_tiles import TritonTileOps, _transform, fast_exp, fast_log, logit_grad, row_grad_coefs, sm_count
 
@@ -104,7 +105,7 @@ def _tma_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
         or not hasattr(tl, "make_tensor_descriptor")
     ):
         return False
-    if torch.cuda.get_device_capability(x.device)[0] < 9:
+    if cuda_capability(x.device)[0] < 9:
         return False
     return all(_tma_aligned(t) for t in (x, weight))
 
@@ -205,6 +206,42 @@ def _row_coefs(
     return lse, p_coef[:, None], onehot_coef[:, None], smooth_coef[:, None], g_entropy[:, None]
 
 
+@triton.jit
+def _scaled_half(
+    z,
+    m,
+    rows,
+    row_ok,
+    col0,
+    V,
+    out_desc,
+    out_ptr,
+    stride_on,
+    row0,
+    inv_softcap,
+    t_scale,
+    inv_temperature,
+    HAS_TEMPERATURE: tl.constexpr,
+    RAGGED: tl.constexpr,
+    TMA_OUT: tl.constexpr,
+    HALF: tl.constexpr,
+):
+    """MODE 3's softcap epilogue on columns ``col0 + [0, HALF)`` of a tile: stores E = exp(t - m) dt and returns
+    each row's sum of exp(t - m)."""
+    t, dt = _transform(z, inv_softcap, t_scale, inv_temperature, True, HAS_TEMPERATURE)
+    e = fast_exp(t - m[:, None])
+    cols = col0 + tl.arange(0, HALF)
+    if RAGGED:
+        e = tl.where((cols < V)[None, :], e, 0.0)
+    stored = (e * dt).to(out_ptr.dtype.element_ty)
+    if TMA_OUT:
+        out_desc.store([row0, col0], stored)
+    else:
+        mask = row_ok[:, None] & (cols < V)[None, :]
+        tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_on + cols[None, :], stored, mask=mask)
+    return tl.sum(e, 1)
+
+
 @triton.autotune(configs=_configs(), key=["V", "K", "MODE"], prune_configs_by={"early_config_prune": _prune_configs})
 @triton.jit
 def _head_gemm_kernel(
@@ -264,6 +301,7 @@ def _head_gemm_kernel(
     USE_TMA: tl.constexpr,
     FLATTEN: tl.constexpr,
     FIXED_REF: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     """[BM, BN] tiles of the transformed logits t of x W^T + b, each reduced in the epilogue (see the module docstring).
     Persistent: each program takes every ``num_programs``-th tile of the full column blocks, then of the ragged last
@@ -290,7 +328,11 @@ def _head_gemm_kernel(
         # drops them)
         x_desc = tl.make_tensor_descriptor(x_ptr, shape=[N, K], strides=[stride_xn, 1], block_shape=[BM, BK])
         w_desc = tl.make_tensor_descriptor(w_ptr, shape=[V, K], strides=[stride_wv, 1], block_shape=[BN, BK])
-        if TMA_OUT:
+        if TMA_OUT and SPLIT:
+            out_desc = tl.make_tensor_descriptor(
+                out_ptr, shape=[N, V], strides=[stride_on, 1], block_shape=[BM, BN // 2]
+            )
+        elif TMA_OUT:
             out_desc = tl.make_tensor_descriptor(out_ptr, shape=[N, V], strides=[stride_on, 1], block_shape=[BM, BN])
     full_tiles = tiles_m * full_n
     # the full column blocks (no column mask), then the ragged last one if V % BN; its tiles go first to the programs
@@ -374,6 +416,35 @@ def _head_gemm_kernel(
                     out_desc.store([pid_m * BM, pid_n * BN], g.to(out_ptr.dtype.element_ty))
                 else:
                     tl.store(out_ptrs, g.to(out_ptr.dtype.element_ty), mask=out_mask)
+            elif SPLIT:
+                # MODE 3 with FIXED_REF and a softcap. dt/dz is a second tile of float32 registers beside e until
+                # E = e dt is stored: at 128x256 this epilogue took 255 registers and spilled 34 (H200, Triton 3.6),
+                # so it takes the tile in two column halves. FIXED_REF: no statistic but sum e, and the halves add.
+                m = tl.load(ty_ptr + rows, mask=row_ok, other=float("inf")) + ref_offset
+                z_left, z_right = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
+                sum_e = tl.zeros((BM,), tl.float32)
+                for half in tl.static_range(2):
+                    z = z_left if half == 0 else z_right
+                    sum_e += _scaled_half(
+                        z,
+                        m,
+                        rows,
+                        row_ok,
+                        pid_n * BN + half * (BN // 2),
+                        V,
+                        out_desc,
+                        out_ptr,
+                        stride_on,
+                        pid_m * BM,
+                        inv_softcap,
+                        t_scale,
+                        inv_temperature,
+                        HAS_TEMPERATURE,
+                        RAGGED == 1,
+                        TMA_OUT,
+                        BN // 2,
+                    )
+                tl.store(part_ptr + pid_n * N + rows + stat_stride, sum_e, mask=row_ok)
             else:
                 # Only the statistics asked for are computed; the target logit comes from _target_logit_kernel.
                 part = part_ptr + pid_n * N + rows
@@ -468,7 +539,7 @@ def kept_order(target: torch.Tensor, ignore_index: int, vocab: int) -> tuple[tor
     kept = torch.empty(n, dtype=torch.int64, device=target.device)
     summary = torch.empty(3, dtype=torch.int64, device=target.device)
     with TritonTileOps._device_guard(target.device):
-        _kept_order_kernel[(1,)](target, n, vocab, ignore_index, order, kept, summary, BLOCK=4096, num_warps=8)
+        launch(_kept_order_kernel, (1,), target, n, vocab, ignore_index, order, kept, summary, BLOCK=4096, num_warps=8)
     return order, kept, summary
 
 
@@ -867,6 +938,11 @@ def transform_args(params: TileParams) -> tuple[float, float, float]:
     return 0.0 if params.softcap is None else 1.0 / params.softcap, _t_scale(params), params.inv_temperature
 
 
+def _split_epilogue() -> bool:
+    """``HF_FLCE_SPLIT_EPILOGUE=0`` keeps the softcap's scaled epilogue on whole tiles (for A/B measurements)."""
+    return os.environ.get("HF_FLCE_SPLIT_EPILOGUE", "1") != "0"
+
+
 def _gemm(
     x,
     weight,
@@ -934,6 +1010,7 @@ def _gemm(
         **_option_flags(params, (None, None, None) if mode != MODE_GRAD else upstream),
         **_stat_flags(params, wanted=mode != MODE_GRAD),
         FIXED_REF=fixed_ref,
+        SPLIT=mode == MODE_SCALED and fixed_ref and params.softcap is not None and _split_epilogue(),
     )
     tuned_key = (params.vocab, k, mode, use_tma, fixed_ref, tuple(a.dtype for a in args if isinstance(a, torch.Tensor)))
     return _launch_tuned(grid, args, flags, tuned_key)
@@ -954,13 +1031,15 @@ def _launch_tuned(grid, args, flags, key) -> triton.Config:
         config = _TUNED[key] = _head_gemm_kernel.best_config
     else:
         _head_gemm_kernel.best_config = config
-        _head_gemm_kernel.fn[grid](*args, **flags, **config.all_kwargs())
+        launch(_head_gemm_kernel.fn, grid(config.kwargs), *args, **flags, **config.all_kwargs())
     return config
 
 
 def _target_logits(x, weight, bias, target, params, t_y):
     br = 16
-    _target_logit_kernel[(triton.cdiv(x.shape[0], br),)](
+    launch(
+        _target_logit_kernel,
+        (triton.cdiv(x.shape[0], br),),
         x,
         x.stride(0),
         weight,
@@ -1059,7 +1138,9 @@ def forward(
             _target_logits(x, weight, bias, target, params, t_y)
         n_tiles = triton.cdiv(vocab, tile_n)
         br = 32
-        _merge_kernel[(triton.cdiv(n, br),)](
+        launch(
+            _merge_kernel,
+            (triton.cdiv(n, br),),
             partials,
             best,
             t_y,
@@ -1125,7 +1206,9 @@ def gradient(
     upstream = (grad_loss, grad_logprob, grad_entropy)
     br = 16 if kept.tile_n >= 256 else 32
     with TritonTileOps._device_guard(e.device):
-        _grad_from_e_kernel[(triton.cdiv(n, br), triton.cdiv(vocab, kept.tile_n))](
+        launch(
+            _grad_from_e_kernel,
+            (triton.cdiv(n, br), triton.cdiv(vocab, kept.tile_n)),
             e,
             e.stride(0),
             out,

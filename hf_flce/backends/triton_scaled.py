@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from .base import TileParams
+from .triton_launch import launch
 from .triton_tiles import TritonTileOps, _transform, fast_exp
 
 REF_OFFSET = 32.0
@@ -316,7 +317,9 @@ class ScaledGradient:
             return out
         br, bh = 16, min(256, triton.next_power_of_2(h))
         with TritonTileOps._device_guard(src.device):
-            _scaled_rows_kernel[(triton.cdiv(n, br), triton.cdiv(h, bh))](
+            launch(
+                _scaled_rows_kernel,
+                (triton.cdiv(n, br), triton.cdiv(h, bh)),
                 src,
                 src.stride(0),
                 self.row_scale,
@@ -367,7 +370,9 @@ class ScaledGradient:
         sorted_y, order = torch.sort(target, stable=True)
         bp, bh = 32, min(128, triton.next_power_of_2(h))
         with TritonTileOps._device_guard(x.device):
-            _target_rows_kernel[(triton.cdiv(n, bp), triton.cdiv(h, bh))](
+            launch(
+                _target_rows_kernel,
+                (triton.cdiv(n, bp), triton.cdiv(h, bh)),
                 sorted_y,
                 order,
                 target_coef,
@@ -402,7 +407,9 @@ def row_scales(
     if n:
         br = 32
         with TritonTileOps._device_guard(e.device):
-            _row_scales_kernel[(triton.cdiv(n, br),)](
+            launch(
+                _row_scales_kernel,
+                (triton.cdiv(n, br),),
                 e,
                 e.stride(0),
                 target,

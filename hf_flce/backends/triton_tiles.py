@@ -19,6 +19,7 @@ from triton.language.extra import libdevice
 
 from . import triton_interpreting
 from .base import TileParams, TileStats
+from .triton_launch import launch
 
 # Start of the running max: finite, so that exp(m_old - m_new) and (m_old - m_new) * 0 never give NaN.
 _NEG_BIG = tl.constexpr(-3.0e38)
@@ -444,7 +445,11 @@ class TritonTileOps:
 
     @staticmethod
     def _device_guard(device: torch.device):
-        return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+        """Kernels launch on the current device: make it ``device``'s (no guard when it already is, which saves the
+        guard's host time on every launch)."""
+        if device.type != "cuda" or device.index is None or device.index == torch.cuda.current_device():
+            return contextlib.nullcontext()
+        return torch.cuda.device(device)
 
     def _launch(
         self,
@@ -479,7 +484,9 @@ class TritonTileOps:
         softcap = params.softcap
         block, num_warps = self._config(params.vocab, rows, logits.device)
         with self._device_guard(logits.device):
-            _tile_kernel[(rows,)](
+            launch(
+                _tile_kernel,
+                (rows,),
                 logits,
                 logits.stride(0),
                 logits.stride(1),
@@ -528,7 +535,17 @@ class TritonTileOps:
             block = 4096
             with self._device_guard(src.device):
                 in_place = src.data_ptr() == out.data_ptr() and src.dtype == out.dtype
-                _scale_kernel[(triton.cdiv(n, block),)](src, out, scale, n, IN_PLACE=in_place, BLOCK=block, num_warps=8)
+                launch(
+                    _scale_kernel,
+                    (triton.cdiv(n, block),),
+                    src,
+                    out,
+                    scale,
+                    n,
+                    IN_PLACE=in_place,
+                    BLOCK=block,
+                    num_warps=8,
+                )
         return out
 
     def forward(

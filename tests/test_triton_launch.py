@@ -1,0 +1,74 @@
+"""``backends/triton_launch.py``: compiled kernels launched straight from a cache whose key is at least as fine as
+Triton's own specialization, so a launch never reuses a kernel compiled for other argument properties."""
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from test_triton_backend import DEVICE
+
+from hf_flce.backends import triton_launch
+from hf_flce.backends.triton_launch import _arg_key, launch
+
+
+@triton.jit
+def _scaled_copy_kernel(src_ptr, dst_ptr, n, scale, step, BLOCK: tl.constexpr, ADD_ONE: tl.constexpr = False):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    values = tl.load(src_ptr + offs * step, mask=mask, other=0.0) * scale
+    if ADD_ONE:
+        values += 1.0
+    tl.store(dst_ptr + offs, values, mask=mask)
+
+
+def test_key_separates_what_triton_specializes_on():
+    base = torch.zeros(64, dtype=torch.float32)
+    assert _arg_key(base) != _arg_key(base[1:])  # 16-byte aligned or not
+    assert _arg_key(base) != _arg_key(base.to(torch.bfloat16))
+    ints = [0, 1, 2, 16, 17, 2**31 - 16, 2**31, 2**63, -16, -(2**31) - 1]
+    assert len({_arg_key(i) for i in ints}) >= 6
+    assert _arg_key(1) != _arg_key(17) and _arg_key(16) != _arg_key(17) and _arg_key(2**31 - 16) != _arg_key(2**31)
+    assert _arg_key(2**31) != _arg_key(2**63) and _arg_key(-16) != _arg_key(-(2**31) - 1)
+    assert _arg_key(0.5) == _arg_key(3.0)  # floats are not specialized
+    assert _arg_key(True) != _arg_key(1) and _arg_key(None) != _arg_key(False)
+
+
+def _reference(src, n, scale, step, add_one):
+    out = src[::step][:n].to(torch.float32) * scale
+    return out + 1.0 if add_one else out
+
+
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "offset-by-one"])
+def test_launch_matches_triton_across_argument_properties(offset):
+    """The same kernel through ``launch`` with pointers, counts, strides and constexprs that change between calls,
+    each compared with torch: a reused kernel compiled for other properties (an alignment, ``n == 1``, a stride of
+    1) would read or write the wrong elements."""
+    torch.manual_seed(0)
+    buf = torch.randn(4096 + offset, device=DEVICE)
+    src = buf[offset:]
+    cases = [(1000, 1, False), (1000, 1, False), (1, 1, False), (16, 2, False), (17, 3, True), (1000, 1, True)]
+    for n, step, add_one in cases:
+        dst = torch.full((n + 1,), -7.0, device=DEVICE)
+        launch(_scaled_copy_kernel, (triton.cdiv(n, 128),), src, dst, n, 0.5, step, BLOCK=128, ADD_ONE=add_one)
+        torch.testing.assert_close(dst[:n], _reference(src, n, 0.5, step, add_one), rtol=0, atol=0)
+        assert dst[n].item() == -7.0  # nothing written past n
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="the interpreter launches through Triton every time")
+def test_second_launch_comes_from_the_cache(monkeypatch):
+    monkeypatch.setattr(triton_launch, "_COMPILED", {})
+    src = torch.randn(256, device=DEVICE)
+    dst = torch.empty(256, device=DEVICE)
+    launch(_scaled_copy_kernel, (2,), src, dst, 256, 2.0, 1, BLOCK=128)
+    assert len(triton_launch._COMPILED) == 1
+    ((compiled, tail),) = triton_launch._COMPILED.values()
+    assert tail == (128, False)  # BLOCK, then ADD_ONE's default
+
+    def no_jit(*args, **kwargs):
+        raise AssertionError("went through JITFunction.run")
+
+    monkeypatch.setattr(type(_scaled_copy_kernel), "run", no_jit)
+    launch(_scaled_copy_kernel, (2,), src, dst, 256, 3.0, 1, BLOCK=128)
+    torch.testing.assert_close(dst, src * 3.0, rtol=0, atol=0)
+    with pytest.raises(AssertionError, match="JITFunction.run"):
+        launch(_scaled_copy_kernel, (2,), src, dst, 255, 3.0, 1, BLOCK=128)  # a new key: Triton compiles
