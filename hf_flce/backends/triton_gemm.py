@@ -214,31 +214,26 @@ def _scaled_half(
     row_ok,
     col0,
     V,
-    out_desc,
     out_ptr,
     stride_on,
-    row0,
     inv_softcap,
     t_scale,
     inv_temperature,
+    HAS_SOFTCAP: tl.constexpr,
     HAS_TEMPERATURE: tl.constexpr,
     RAGGED: tl.constexpr,
-    TMA_OUT: tl.constexpr,
     HALF: tl.constexpr,
 ):
-    """MODE 3's softcap epilogue on columns ``col0 + [0, HALF)`` of a tile: stores E = exp(t - m) dt and returns
-    each row's sum of exp(t - m)."""
-    t, dt = _transform(z, inv_softcap, t_scale, inv_temperature, True, HAS_TEMPERATURE)
+    """MODE 3's epilogue with one reference per row on columns ``col0 + [0, HALF)`` of a tile: stores
+    E = exp(t - m) dt from registers and returns each row's sum of exp(t - m)."""
+    t, dt = _transform(z, inv_softcap, t_scale, inv_temperature, HAS_SOFTCAP, HAS_TEMPERATURE)
     e = fast_exp(t - m[:, None])
     cols = col0 + tl.arange(0, HALF)
     if RAGGED:
         e = tl.where((cols < V)[None, :], e, 0.0)
     stored = (e * dt).to(out_ptr.dtype.element_ty)
-    if TMA_OUT:
-        out_desc.store([row0, col0], stored)
-    else:
-        mask = row_ok[:, None] & (cols < V)[None, :]
-        tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_on + cols[None, :], stored, mask=mask)
+    mask = row_ok[:, None] & (cols < V)[None, :]
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_on + cols[None, :], stored, mask=mask)
     return tl.sum(e, 1)
 
 
@@ -328,11 +323,7 @@ def _head_gemm_kernel(
         # drops them)
         x_desc = tl.make_tensor_descriptor(x_ptr, shape=[N, K], strides=[stride_xn, 1], block_shape=[BM, BK])
         w_desc = tl.make_tensor_descriptor(w_ptr, shape=[V, K], strides=[stride_wv, 1], block_shape=[BN, BK])
-        if TMA_OUT and SPLIT:
-            out_desc = tl.make_tensor_descriptor(
-                out_ptr, shape=[N, V], strides=[stride_on, 1], block_shape=[BM, BN // 2]
-            )
-        elif TMA_OUT:
+        if TMA_OUT:
             out_desc = tl.make_tensor_descriptor(out_ptr, shape=[N, V], strides=[stride_on, 1], block_shape=[BM, BN])
     full_tiles = tiles_m * full_n
     # the full column blocks (no column mask), then the ragged last one if V % BN; its tiles go first to the programs
@@ -417,9 +408,12 @@ def _head_gemm_kernel(
                 else:
                     tl.store(out_ptrs, g.to(out_ptr.dtype.element_ty), mask=out_mask)
             elif SPLIT:
-                # MODE 3 with FIXED_REF and a softcap. dt/dz is a second tile of float32 registers beside e until
-                # E = e dt is stored: at 128x256 this epilogue took 255 registers and spilled 34 (H200, Triton 3.6),
-                # so it takes the tile in two column halves. FIXED_REF: no statistic but sum e, and the halves add.
+                # MODE 3 with FIXED_REF: no statistic but sum e, and the halves' sums add. In two column halves, E
+                # stored from registers: with a softcap, dt/dz is a second tile of float32 registers beside e, and at
+                # 128x256 the whole-tile epilogue took 255 registers and spilled 34 (H200, Triton 3.6); a TMA store
+                # stages the tile in shared memory between CTA barriers, which were 35-39% of the warps' stalls
+                # (Nsight Compute). Against whole tiles with a TMA store: gemma2-2b 2.7% faster, llama3-8b 1.4%,
+                # qwen3-0.6b 0.2%, mistral-7b 0.9% slower (docs/PERF_NOTES.md v18).
                 m = tl.load(ty_ptr + rows, mask=row_ok, other=float("inf")) + ref_offset
                 z_left, z_right = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
                 sum_e = tl.zeros((BM,), tl.float32)
@@ -432,16 +426,14 @@ def _head_gemm_kernel(
                         row_ok,
                         pid_n * BN + half * (BN // 2),
                         V,
-                        out_desc,
                         out_ptr,
                         stride_on,
-                        pid_m * BM,
                         inv_softcap,
                         t_scale,
                         inv_temperature,
+                        HAS_SOFTCAP,
                         HAS_TEMPERATURE,
                         RAGGED == 1,
-                        TMA_OUT,
                         BN // 2,
                     )
                 tl.store(part_ptr + pid_n * N + rows + stat_stride, sum_e, mask=row_ok)
@@ -939,7 +931,7 @@ def transform_args(params: TileParams) -> tuple[float, float, float]:
 
 
 def _split_epilogue() -> bool:
-    """``HF_FLCE_SPLIT_EPILOGUE=0`` keeps the softcap's scaled epilogue on whole tiles (for A/B measurements)."""
+    """``HF_FLCE_SPLIT_EPILOGUE=0`` keeps MODE 3's epilogue on whole tiles with a TMA store (for A/B measurements)."""
     return os.environ.get("HF_FLCE_SPLIT_EPILOGUE", "1") != "0"
 
 
@@ -967,6 +959,7 @@ def _gemm(
         triton.set_allocator(_tma_scratch)
     spare = partials if partials is not None else lse
     programs = _program_limit(x.device)
+    split = mode == MODE_SCALED and fixed_ref and _split_epilogue()
 
     def grid(meta):
         return (min(programs, triton.cdiv(n, meta["BM"]) * triton.cdiv(params.vocab, meta["BN"])),)
@@ -1006,11 +999,12 @@ def _gemm(
         # float32 operands (tests) get exact products, not TF32; 16-bit ones use the tensor cores either way
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         # a TMA store stages the whole output tile in shared memory: not for float32 tiles (tests), which would not fit
-        TMA_OUT=use_tma and out is not None and out.element_size() == 2 and _tma_aligned(out),
+        # (and not where MODE 3 stores E from registers in column halves: SPLIT)
+        TMA_OUT=use_tma and out is not None and out.element_size() == 2 and _tma_aligned(out) and not split,
         **_option_flags(params, (None, None, None) if mode != MODE_GRAD else upstream),
         **_stat_flags(params, wanted=mode != MODE_GRAD),
         FIXED_REF=fixed_ref,
-        SPLIT=mode == MODE_SCALED and fixed_ref and params.softcap is not None and _split_epilogue(),
+        SPLIT=split,
     )
     tuned_key = (params.vocab, k, mode, use_tma, fixed_ref, tuple(a.dtype for a in args if isinstance(a, torch.Tensor)))
     return _launch_tuned(grid, args, flags, tuned_key)
