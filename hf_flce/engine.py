@@ -18,7 +18,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from .backends import cuda_capability
+from .backends import cuda_properties
 from .backends.base import TileOps, TileParams, TileStats
 
 _HAS_MM_OUT_DTYPE = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 8)
@@ -319,7 +319,9 @@ def _gemm_path_allowed(plan: CallPlan, weight: torch.Tensor) -> bool:
     """The backend's epilogue GEMM (``triton_gemm``) runs by default only on the GPUs it was measured on (Hopper and
     newer): ``TileOps.gemm_min_capability``."""
     min_capability = getattr(plan.tiles, "gemm_min_capability", 0)
-    return not min_capability or (weight.device.type == "cuda" and cuda_capability(weight.device)[0] >= min_capability)
+    return not min_capability or (
+        weight.device.type == "cuda" and cuda_properties(weight.device).major >= min_capability
+    )
 
 
 def _residual_dw(plan: CallPlan, x: torch.Tensor, weight: torch.Tensor):

@@ -48,14 +48,14 @@ def _load(name: str) -> TileOps:
 
 
 @functools.cache
-def _capability_of(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
+def _properties_of(index: int):
+    return torch.cuda.get_device_properties(index)
 
 
-def cuda_capability(device: torch.device) -> tuple[int, int]:
-    """A CUDA device's compute capability (the current device when ``device`` has no index), looked up once: torch's
-    lookup costs microseconds on every call, and a call's GPU waits for its host."""
-    return _capability_of(device.index if device.index is not None else torch.cuda.current_device())
+def cuda_properties(device: torch.device):
+    """A CUDA device's properties (``major``, ``multi_processor_count``, ...; the current device when ``device`` has no
+    index), looked up once: torch's lookup costs microseconds on every call, and a call's GPU waits for its host."""
+    return _properties_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def resolve_backend(backend: str, device: torch.device) -> TileOps:

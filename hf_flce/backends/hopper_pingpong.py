@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from . import cuda_capability, triton_gemm
+from . import cuda_properties, triton_gemm
 
 try:
     from triton.experimental import gluon
@@ -45,7 +45,7 @@ def usable(*tensors: torch.Tensor) -> bool:
     return (
         AVAILABLE
         and device.type == "cuda"
-        and cuda_capability(device)[0] == 9
+        and cuda_properties(device).major == 9
         and all(t.device == device and triton_gemm._tma_aligned(t) for t in tensors)
     )
 

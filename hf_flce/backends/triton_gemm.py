@@ -50,11 +50,11 @@ import torch
 import triton
 import triton.language as tl
 
-from . import cuda_capability, triton_interpreting, triton_scaled
+from . import cuda_properties, triton_interpreting, triton_scaled
 from .base import TileParams, TileStats
 from .triton_launch import launch
 from .triton_scaled import exact_row
-from .triton_tiles import TritonTileOps, _transform, fast_exp, fast_log, logit_grad, row_grad_coefs, sm_count
+from .triton_tiles import TritonTileOps, _transform, fast_exp, fast_log, logit_grad, row_grad_coefs
 
 MODE_STATS = 0  # partial statistics only (no gradient wanted: eval, reference models)
 MODE_KEEP = 1  # partial statistics and e = exp(t - m_tile) in fp16, for the gradient pass
@@ -105,7 +105,7 @@ def _tma_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
         or not hasattr(tl, "make_tensor_descriptor")
     ):
         return False
-    if cuda_capability(x.device)[0] < 9:
+    if cuda_properties(x.device).major < 9:
         return False
     return all(_tma_aligned(t) for t in (x, weight))
 
@@ -116,7 +116,7 @@ def _tma_aligned(t: torch.Tensor) -> bool:
 
 def _program_limit(device: torch.device) -> int:
     """Persistent grid: one program per SM (the interpreter runs a few, so tests still walk several tiles each)."""
-    return sm_count(device) if device.type == "cuda" else 3
+    return cuda_properties(device).multi_processor_count if device.type == "cuda" else 3
 
 
 def _prune_configs(configs, named_args, **kwargs):
@@ -229,11 +229,13 @@ def _scaled_half(
     t, dt = _transform(z, inv_softcap, t_scale, inv_temperature, HAS_SOFTCAP, HAS_TEMPERATURE)
     e = fast_exp(t - m[:, None])
     cols = col0 + tl.arange(0, HALF)
+    col_ok = cols < V
     if RAGGED:
-        e = tl.where((cols < V)[None, :], e, 0.0)
+        e = tl.where(col_ok[None, :], e, 0.0)
     stored = (e * dt).to(out_ptr.dtype.element_ty)
-    mask = row_ok[:, None] & (cols < V)[None, :]
-    tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_on + cols[None, :], stored, mask=mask)
+    tl.store(
+        out_ptr + rows.to(tl.int64)[:, None] * stride_on + cols[None, :], stored, mask=row_ok[:, None] & col_ok[None, :]
+    )
     return tl.sum(e, 1)
 
 

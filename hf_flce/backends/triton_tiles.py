@@ -9,7 +9,6 @@ cross-entropy compiles to the lean kernel. Runs on CUDA tensors, and on CPU tens
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 
 import torch
@@ -17,7 +16,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from . import triton_interpreting
+from . import cuda_properties, triton_interpreting
 from .base import TileParams, TileStats
 from .triton_launch import launch
 
@@ -376,16 +375,6 @@ def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
-@functools.cache
-def _sm_count_of(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def sm_count(device: torch.device) -> int:
-    """Multiprocessors of a CUDA device (the current one when ``device`` has no index)."""
-    return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
-
-
 def launch_config(vocab: int, rows: int, device: torch.device) -> tuple[int, int]:
     """Block size and warps per row-program. One program owns a row: with about 12 rows per SM or more, one warp on
     blocks of 512 streams best; with fewer rows each program needs more warps. Measured on an H200
@@ -395,7 +384,7 @@ def launch_config(vocab: int, rows: int, device: torch.device) -> tuple[int, int
     if device.type != "cuda":
         # the interpreter: few, wide numpy operations are faster
         return min(triton.next_power_of_2(vocab), 256), 1
-    sms = sm_count(device)
+    sms = cuda_properties(device).multi_processor_count
     block, num_warps = (512, 1) if rows >= 12 * sms else (2048, 4) if rows >= 4 * sms else (4096, 8)
     return min(triton.next_power_of_2(vocab), block), num_warps
 
