@@ -16,9 +16,11 @@ import itertools  # noqa: E402
 from dataclasses import replace  # noqa: E402
 
 import pytest  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 import hf_flce  # noqa: E402
-from hf_flce.backends import triton_interpreting  # noqa: E402
+from hf_flce.backends import triton_interpreting, triton_tiles  # noqa: E402
 from hf_flce.backends.base import TileParams  # noqa: E402
 from hf_flce.backends.torch_tiles import TorchTileOps  # noqa: E402
 from hf_flce.backends.triton_tiles import TritonTileOps  # noqa: E402
@@ -345,6 +347,28 @@ def test_tiles_non_finite_rows_give_nan():
     assert not stats.loss[:2].isfinite().any() and stats.lse[0].isnan()
     assert stats.loss[2:].isfinite().all() and grad[2:].isfinite().all()
     assert grad[:2].isnan().any(dim=1).all()
+
+
+@triton.jit
+def _tanh_probe_kernel(x_ptr, th_ptr, slope_ptr, n, HW: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    th, slope = triton_tiles._tanh_and_slope(tl.load(x_ptr + offs, mask=offs < n), HW)
+    tl.store(th_ptr + offs, th, mask=offs < n)
+    tl.store(slope_ptr + offs, slope, mask=offs < n)
+
+
+@pytest.mark.parametrize("hw", [False, pytest.param(True, marks=pytest.mark.gpu)], ids=["exp", "hardware"])
+def test_softcap_tanh_matches_float64(hw):
+    """The softcap's tanh and slope 1 - tanh**2 (the exp form of the tile passes, and the hardware tanh of the
+    epilogue GEMM on CUDA), over the range a softcapped logit divided by its cap takes, past saturation included."""
+    x = torch.cat([torch.linspace(-6.0, 6.0, 4099), torch.tensor([0.0, -0.0, 1e-8, -1e-30, 20.0, -40.0])]).to(DEVICE)
+    th, slope = torch.empty_like(x), torch.empty_like(x)
+    _tanh_probe_kernel[(triton.cdiv(x.numel(), 1024),)](x, th, slope, x.numel(), HW=hw, BLOCK=1024)
+    ref = torch.tanh(x.double())
+    tol = 2e-5 if hw else 3e-7
+    assert (th.double() - ref).abs().max() <= tol
+    assert (slope.double() - (1 - ref * ref)).abs().max() <= 2 * tol
+    assert (slope >= 0).all() and (th.abs() <= 1).all()
 
 
 # --- real sizes on a GPU -----------------------------------------------------------------------------------------

@@ -54,7 +54,7 @@ from . import cuda_properties, triton_interpreting, triton_scaled
 from .base import TileParams, TileStats
 from .triton_launch import launch
 from .triton_scaled import exact_row
-from .triton_tiles import TritonTileOps, _transform, fast_exp, fast_log, logit_grad, row_grad_coefs
+from .triton_tiles import HW_TANH, TritonTileOps, _transform, fast_exp, fast_log, logit_grad, row_grad_coefs
 
 MODE_STATS = 0  # partial statistics only (no gradient wanted: eval, reference models)
 MODE_KEEP = 1  # partial statistics and e = exp(t - m_tile) in fp16, for the gradient pass
@@ -223,10 +223,11 @@ def _scaled_half(
     HAS_TEMPERATURE: tl.constexpr,
     RAGGED: tl.constexpr,
     HALF: tl.constexpr,
+    FAST_TANH: tl.constexpr,
 ):
     """MODE 3's epilogue with one reference per row on columns ``col0 + [0, HALF)`` of a tile: stores
     E = exp(t - m) dt from registers and returns each row's sum of exp(t - m)."""
-    t, dt = _transform(z, inv_softcap, t_scale, inv_temperature, HAS_SOFTCAP, HAS_TEMPERATURE)
+    t, dt = _transform(z, inv_softcap, t_scale, inv_temperature, HAS_SOFTCAP, HAS_TEMPERATURE, FAST_TANH)
     e = fast_exp(t - m[:, None])
     cols = col0 + tl.arange(0, HALF)
     col_ok = cols < V
@@ -304,6 +305,8 @@ def _head_gemm_kernel(
     Persistent: each program takes every ``num_programs``-th tile of the full column blocks, then of the ragged last
     one (if V % BN), the only tiles that mask columns. ``ROWS_ON_DEVICE``: only the first ``*rows_ptr`` of the N rows
     are computed (a count the host never reads); N stays the stride of the partials."""
+    # the hardware's tanh for 16-bit operands; float32 ones (tests) get the float32-exact form
+    FAST_TANH: tl.constexpr = HW_TANH and x_ptr.dtype.element_ty != tl.float32
     M = N
     if ROWS_ON_DEVICE:
         M = tl.load(rows_ptr).to(tl.int32)
@@ -372,7 +375,7 @@ def _head_gemm_kernel(
 
             if HAS_BIAS:
                 acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-            t, dt = _transform(acc, inv_softcap, t_scale, inv_temperature, HAS_SOFTCAP, HAS_TEMPERATURE)
+            t, dt = _transform(acc, inv_softcap, t_scale, inv_temperature, HAS_SOFTCAP, HAS_TEMPERATURE, FAST_TANH)
             out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_on + cols[None, :]
             out_mask = row_ok[:, None] & col_ok[None, :] if RAGGED == 1 else row_ok[:, None]
 
@@ -437,6 +440,7 @@ def _head_gemm_kernel(
                         HAS_TEMPERATURE,
                         RAGGED == 1,
                         BN // 2,
+                        FAST_TANH,
                     )
                 tl.store(part_ptr + pid_n * N + rows + stat_stride, sum_e, mask=row_ok)
             else:
@@ -560,6 +564,7 @@ def _target_logit_kernel(
 ):
     """The target logit ``t_y = transform(x_n . w_y + b_y)`` of BR rows as a float32 dot (+inf at ignored rows): the
     GEMM's epilogue would pay a compare and a select on every logit for one value per row."""
+    FAST_TANH: tl.constexpr = HW_TANH and x_ptr.dtype.element_ty != tl.float32  # as the GEMM's epilogue
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     row_ok = rows < N
     y = tl.load(y_ptr + rows, mask=row_ok, other=ignore_index)
@@ -575,7 +580,7 @@ def _target_logit_kernel(
     z = tl.sum(acc, 1)
     if HAS_BIAS:
         z += tl.load(bias_ptr + y_row, mask=valid, other=0.0).to(tl.float32)
-    t, _ = _transform(z, inv_softcap, t_scale, inv_temperature, HAS_SOFTCAP, HAS_TEMPERATURE)
+    t, _ = _transform(z, inv_softcap, t_scale, inv_temperature, HAS_SOFTCAP, HAS_TEMPERATURE, FAST_TANH)
     tl.store(ty_ptr + rows, tl.where(valid, t, float("inf")), mask=row_ok)
 
 

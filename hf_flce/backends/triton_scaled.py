@@ -41,7 +41,7 @@ import triton.language as tl
 
 from .base import TileParams
 from .triton_launch import launch
-from .triton_tiles import TritonTileOps, _transform, fast_exp
+from .triton_tiles import HW_TANH, TritonTileOps, _transform, fast_exp
 
 REF_OFFSET = 32.0
 REPAIR_ABOVE = 64.0
@@ -132,6 +132,7 @@ def exact_row(
     unless that is inf (a sum against ``t_y + REF_OFFSET`` that overflowed), then computed again by online softmax
     (the running sum rescaled by ``exp(m_old - m_new)`` whenever a block raises the running max). Then a row
     whose loss exceeds ``repair_above`` gets ``E = exp(t - lse) dt`` written to ``e_row`` (0 at ``row_y``)."""
+    FAST_TANH: tl.constexpr = HW_TANH and x_row.dtype.element_ty != tl.float32  # as the GEMM's epilogue
     cols = tl.arange(0, BV)
     ks = tl.arange(0, BK)
     # pass 0: the lse, where it overflowed; pass 1: E, where the loss is past the bf16 range of E and s x
@@ -152,7 +153,7 @@ def exact_row(
                         other=0.0,
                     ).to(tl.float32)
                     acc += tl.sum(w * xk[None, :], 1)
-                t, dt = _transform(acc, inv_softcap, t_scale, inv_temperature, HAS_SOFTCAP, HAS_TEMPERATURE)
+                t, dt = _transform(acc, inv_softcap, t_scale, inv_temperature, HAS_SOFTCAP, HAS_TEMPERATURE, FAST_TANH)
                 if p == 0:
                     t = tl.where(col_ok, t, float("-inf"))
                     m_new = tl.maximum(m, tl.max(t, 0))
