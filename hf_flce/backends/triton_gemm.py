@@ -631,8 +631,8 @@ def _merge_kernel(
 ):
     """Row statistics from the partials of BR rows ([stat, tile, row] layout: loads are contiguous along rows).
     ``FIXED_REF``: every partial sum is relative to the row's ``t_y + ref_offset`` (no optional statistics, no bias).
-    ``SCALED``: ``e`` is ``MODE_SCALED``'s E, rewritten at rows past ``repair_above``. ``x`` and ``W`` serve the rows the GEMM's float32 range could not
-    (``triton_scaled.exact_row``)."""
+    ``SCALED``: ``e`` is ``MODE_SCALED``'s E, rewritten at rows past ``repair_above``. ``x`` and ``W`` serve the rows
+    the GEMM's float32 range could not (``triton_scaled.exact_row``)."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     row_ok = rows < N
     y = tl.load(y_ptr + rows, mask=row_ok, other=ignore_index)

@@ -65,9 +65,9 @@ HW_TANH = tl.constexpr(not triton_interpreting() and os.environ.get("HF_FLCE_HW_
 
 @triton.jit
 def _tanh_and_slope(x, HW: tl.constexpr):
-    """tanh(x) and its derivative 1 - tanh(x)**2, by the hardware's tanh with ``HW``. The exp form takes e = exp(-2|x|) in (0, 1], which never
-    overflows; near 0, 1 - e cancels: tanh is then good to ~1e-7 absolute, not relative, which is what a softcapped
-    logit needs (its softmax reads differences of logits)."""
+    """tanh(x) and its derivative 1 - tanh(x)**2, by the hardware's tanh with ``HW``. The exp form takes
+    e = exp(-2|x|) in (0, 1], which never overflows; near 0, 1 - e cancels: tanh is then good to ~1e-7 absolute, not
+    relative, which is what a softcapped logit needs (its softmax reads differences of logits)."""
     if HW:
         th = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
         # |th| can round past 1 by its error; the slope stays >= 0
