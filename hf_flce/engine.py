@@ -527,7 +527,11 @@ def _forward(x, weight, bias, target, plan: CallPlan, needs_input_grad) -> tuple
     grads = None
     scaled = False
     if eager:
-        grads = _GradBuffers(n, x.dtype, w_c, weight.dtype, n_chunks, need_dx, need_dw, need_db, rows, residual)
+        # dX (zeroed where rows were dropped) and the dW summation, made once the first chunk's GEMM is launched: an
+        # isolated call's GPU waits for every host step before that launch
+        new_grads = functools.partial(
+            _GradBuffers, n, x.dtype, w_c, weight.dtype, n_chunks, need_dx, need_dw, need_db, rows, residual
+        )
         # the gradient as E and row scales (no pass over the logits): not into an int8 residual, and on CUDA only
         # where mm_fp32 keeps E W in float32
         scaled = (
@@ -554,12 +558,16 @@ def _forward(x, weight, bias, target, plan: CallPlan, needs_input_grad) -> tuple
         chunk_stats.append(stats)
         chunk_probs.append(prob)
         if eager:
+            if grads is None:
+                grads = new_grads()
             grads.add(start, end, grad_out, x_chunk)
         elif keep_logits:
             kept = kept_chunk
         # the next chunk's buffers must not be allocated while this chunk's are still referenced
         del grad_out, kept_chunk
     if eager:
+        if grads is None:  # no kept row, no chunk
+            grads = new_grads()
         grads.add_target_rows(x, ys, plan.params.ignore_index)
 
     kept_stats = _joined_stats(chunk_stats, x.device)

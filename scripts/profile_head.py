@@ -30,6 +30,11 @@
    GEMM's forward (statistics only, and E stored for the scaled gradient, each with its small kernels) and cuBLAS's dX GEMM, each run for ~1.5 s after 0.5 s of the same load, with the
    GPU's clock and power draw sampled by ``nvidia-smi``: ms, MHz, W and mJ per call. At its power limit a GPU's time
    per call follows the call's energy, not its latency.
+12. ``enqueue``: per shape, isolated no-grad and fwd+bwd calls (each after a synchronisation, as the benchmark times
+   them) with a CUDA event recorded just before the head GEMM's launch: on an idle GPU that event completes when the
+   host gets there, so its time after the call's start event is the host time the GEMM waits for. Median of 25 calls,
+   with the calls' own times. To compare two commits, run it from a checkout of each in turn (the host's speed varies
+   between processes by up to 2x; alternate them and take several).
 """
 
 from __future__ import annotations
@@ -607,6 +612,46 @@ def host_per_call() -> dict:
     return row
 
 
+def enqueue(name: str) -> dict:
+    """Host time before the head GEMM's launch in isolated calls (see the module docstring, section 12)."""
+    softcap, x, w, y, xd, wd, one = _call_inputs(name)
+    marks: list = []
+    launch_tuned = triton_gemm._launch_tuned
+
+    def marked(*args, **kwargs):
+        marks.append(torch.cuda.Event(enable_timing=True))
+        marks[-1].record()
+        return launch_tuned(*args, **kwargs)
+
+    calls = {
+        "no_grad": lambda: hf_flce.fused_linear_cross_entropy(xd, wd, y, softcap=softcap),
+        "fwd_bwd": lambda: torch.autograd.grad(hf_flce.fused_linear_cross_entropy(x, w, y, softcap=softcap), (x, w)),
+    }
+    row = dict(shape=name, gemm_ms=one)
+    triton_gemm._launch_tuned = marked
+    try:
+        for label, fn in calls.items():
+            for _ in range(3):
+                fn()
+            before, total = [], []
+            for _ in range(25):
+                torch.cuda.synchronize()
+                marks.clear()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                before.append(start.elapsed_time(marks[0]) * 1e3)
+                total.append(start.elapsed_time(end))
+            row[f"{label}_gemm_enqueued_us"] = median(before)
+            row[f"{label}_ms"] = median(total)
+    finally:
+        triton_gemm._launch_tuned = launch_tuned
+    print(f"{name:>11} enqueue: " + " ".join(f"{k}={v:.3f}" for k, v in row.items() if k != "shape"), flush=True)
+    return row
+
+
 def _steady_ms(fn, seconds: float = 1.5) -> tuple[float, float, float]:
     """ms per call of ``fn`` run back to back for ``seconds`` after 0.5 s of the same load, and that window's
     wall-clock bounds."""
@@ -710,6 +755,7 @@ def main() -> None:
         scaled=[],
         reference=[],
         power=[],
+        enqueue=[],
     )
     for name in args.shapes.split(","):
         if "budget" in sections:
@@ -734,6 +780,8 @@ def main() -> None:
             result["reference"].append(switch_ab(name, "HF_FLCE_ROW_REFERENCE", ("fwd_bwd", "no_grad", "pertoken")))
         if "power" in sections:
             result["power"] += power(name)
+        if "enqueue" in sections:
+            result["enqueue"].append(enqueue(name))
         torch.cuda.empty_cache()
     if "host" in sections:
         result["host"].append(host_per_call())

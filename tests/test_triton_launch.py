@@ -8,7 +8,7 @@ import triton.language as tl
 from test_triton_backend import DEVICE
 
 from hf_flce.backends import triton_launch
-from hf_flce.backends.triton_launch import _arg_key, launch
+from hf_flce.backends.triton_launch import _key, launch
 
 
 @triton.jit
@@ -21,16 +21,24 @@ def _scaled_copy_kernel(src_ptr, dst_ptr, n, scale, step, BLOCK: tl.constexpr, A
     tl.store(dst_ptr + offs, values, mask=mask)
 
 
+def _arg_key(value):
+    return _key(_scaled_copy_kernel, 0, (value,), {})
+
+
 def test_key_separates_what_triton_specializes_on():
     base = torch.zeros(64, dtype=torch.float32)
     assert _arg_key(base) != _arg_key(base[1:])  # 16-byte aligned or not
     assert _arg_key(base) != _arg_key(base.to(torch.bfloat16))
+    assert _arg_key(base) == _arg_key(torch.ones(64, dtype=torch.float32))  # another aligned buffer of that dtype
     ints = [0, 1, 2, 16, 17, 2**31 - 16, 2**31, 2**63, -16, -(2**31) - 1]
     assert len({_arg_key(i) for i in ints}) >= 6
     assert _arg_key(1) != _arg_key(17) and _arg_key(16) != _arg_key(17) and _arg_key(2**31 - 16) != _arg_key(2**31)
     assert _arg_key(2**31) != _arg_key(2**63) and _arg_key(-16) != _arg_key(-(2**31) - 1)
+    assert _arg_key(32) == _arg_key(4096) and _arg_key(3) == _arg_key(1001)  # one specialization, one entry
     assert _arg_key(0.5) == _arg_key(3.0)  # floats are not specialized
-    assert _arg_key(True) != _arg_key(1) and _arg_key(None) != _arg_key(False)
+    assert _arg_key(True) != _arg_key(1) and _arg_key(None) != _arg_key(False) and _arg_key(1.0) != _arg_key(1)
+    assert _key(_scaled_copy_kernel, 0, (), {"BLOCK": 64}) != _key(_scaled_copy_kernel, 0, (), {"BLOCK": 128})
+    assert _key(_scaled_copy_kernel, 0, (), {}) != _key(_scaled_copy_kernel, 1, (), {})  # per device
 
 
 def _reference(src, n, scale, step, add_one):
@@ -68,7 +76,22 @@ def test_second_launch_comes_from_the_cache(monkeypatch):
         raise AssertionError("went through JITFunction.run")
 
     monkeypatch.setattr(type(_scaled_copy_kernel), "run", no_jit)
-    launch(_scaled_copy_kernel, (2,), src, dst, 256, 3.0, 1, BLOCK=128)
-    torch.testing.assert_close(dst, src * 3.0, rtol=0, atol=0)
+    src2, dst2 = torch.randn(256, device=DEVICE), torch.empty(256, device=DEVICE)  # other buffers, same properties
+    launch(_scaled_copy_kernel, (2,), src2, dst2, 256, 3.0, 1, BLOCK=128)  # a float is not part of the key
+    torch.testing.assert_close(dst2, src2 * 3.0, rtol=0, atol=0)
     with pytest.raises(AssertionError, match="JITFunction.run"):
-        launch(_scaled_copy_kernel, (2,), src, dst, 255, 3.0, 1, BLOCK=128)  # a new key: Triton compiles
+        launch(_scaled_copy_kernel, (2,), src, dst, 255, 2.0, 1, BLOCK=128)  # a new key: through Triton
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="the interpreter launches through Triton every time")
+def test_profiler_hooks_see_cached_launches(monkeypatch):
+    """A launch hook (a profiler's) sees cached launches too, with their metadata."""
+    monkeypatch.setattr(triton_launch, "_COMPILED", {})
+    src = torch.randn(256, device=DEVICE)
+    dst = torch.empty(256, device=DEVICE)
+    seen = []
+    monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", lambda metadata: seen.append(metadata))
+    launch(_scaled_copy_kernel, (2,), src, dst, 103, 4.0, 1, BLOCK=128)  # new key: through Triton
+    launch(_scaled_copy_kernel, (2,), src, dst, 103, 4.0, 1, BLOCK=128)  # cached
+    torch.testing.assert_close(dst[:103], src[:103] * 4.0, rtol=0, atol=0)
+    assert len(seen) == 2 and seen[1].get()["name"] == "_scaled_copy_kernel"

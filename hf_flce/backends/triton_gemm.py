@@ -43,6 +43,7 @@ A scalar loss on bf16 operands (no bias, no label smoothing) skips the gradient 
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -533,9 +534,10 @@ def kept_order(target: torch.Tensor, ignore_index: int, vocab: int) -> tuple[tor
     ``summary`` (int64 [3]: the kept count, the lowest and the highest kept target), which one host read can bring
     back with the range check."""
     n = target.numel()
-    order = torch.empty(n, dtype=torch.int64, device=target.device)
-    kept = torch.empty(n, dtype=torch.int64, device=target.device)
-    summary = torch.empty(3, dtype=torch.int64, device=target.device)
+    # one allocation (each costs host time the GPU may be waiting on); the parts start 16-byte aligned
+    span = n + n % 2
+    buffer = torch.empty(2 * span + 3, dtype=torch.int64, device=target.device)
+    order, kept, summary = buffer[:n], buffer[span : span + n], buffer[2 * span :]
     with TritonTileOps._device_guard(target.device):
         launch(_kept_order_kernel, (1,), target, n, vocab, ignore_index, order, kept, summary, BLOCK=4096, num_warps=8)
     return order, kept, summary
@@ -848,6 +850,7 @@ def _planes(params: TileParams) -> int:
     return 5 if flags["SUM_T"] else 4 if flags["SUM_E2"] else 3 if flags["ENTROPY"] else 2
 
 
+@functools.cache
 def _max_tiles(vocab: int) -> int:
     """Column tiles per row at the narrowest tile any configuration may pick (the partials are sized for it; the
     kernel indexes them by the tile width it runs)."""

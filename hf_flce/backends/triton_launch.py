@@ -1,12 +1,14 @@
 """Triton launches without ``JITFunction.run``'s per-call bookkeeping.
 
 ``kernel[grid](*args)`` binds every argument by name, derives the kernel's specialization from them, formats it into a
-cache key string, checks the globals the kernel read and only then launches. On the H200 machine's host the head
-GEMM's launch took 76 µs that way and 59 µs from here, compaction's 45 and 40 (``docs/PERF_NOTES.md`` v18): a call
-whose GPU waits for the host (a no-grad call, or the first GEMM of a call after compaction's host read) pays the
-difference before each of its kernels. Here the compiled kernel is kept under a
-key at least as fine as Triton's specialization and launched straight away; the first launch of each key goes through
-Triton as usual. Under the interpreter (CPU tests) every launch goes through Triton.
+cache key string, checks the globals the kernel read and only then launches. An isolated call's GPU waits for every
+microsecond of that before each kernel (a no-grad call, or a call's first GEMM after compaction's host read): on the
+H200 machine's host, inside such a call, the head GEMM's launch took 76 µs that way, 59 µs from the first version of
+this module, and of those 59, 24 went to the key and 35 to ``CompiledKernel.__getitem__``'s runner
+(``docs/PERF_NOTES.md`` v18, v20). Here the compiled kernel is kept under a key at least as fine as Triton's
+specialization and handed straight to its launcher, as ``JITFunction.run`` itself does once it has the kernel; the
+first launch of each key goes through Triton as usual. Under the interpreter (CPU tests) every launch goes through
+Triton.
 """
 
 from __future__ import annotations
@@ -14,25 +16,35 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from triton import knobs
 from triton.compiler import CompiledKernel
+from triton.runtime import driver
 from triton.runtime.jit import JITFunction
 
-# (kernel, device, options, argument keys...) -> (compiled kernel, the parameters after the positional ones)
+# (kernel, device, options..., argument keys...) -> (compiled kernel, the parameters after the positional ones)
 _COMPILED: dict[tuple, tuple[CompiledKernel, tuple]] = {}
+_I32 = 2**31
 
 
-def _arg_key(value):
-    """What Triton specializes a runtime argument on, or more: a pointer's dtype and 16-byte alignment, an integer's
-    being 1, divisible by 16 and its range (i32, i64 or u64); floats are never specialized."""
-    if isinstance(value, torch.Tensor):
-        return value.dtype, value.data_ptr() % 16 == 0
-    if value is None or isinstance(value, bool):
-        return value
-    if isinstance(value, int):
-        return value == 1, value % 16 == 0, -(2**31) <= value < 2**31, value < 2**63
-    if isinstance(value, float):
-        return float
-    return value
+def _key(kernel, device: int, args: Sequence, kwargs: dict) -> tuple:
+    """At least as fine as Triton's specialization of ``args``: a tensor's dtype and 16-byte alignment; an int's being
+    1, its divisibility by 16 and its range (i32, i64 or u64); a float's nothing; anything else (bool, None) by type
+    and value. One comprehension: a helper called per argument cost twice as much host time."""
+    return (
+        kernel,
+        device,
+        *kwargs.items(),
+        *[
+            (a.dtype, a.data_ptr() % 16 == 0)
+            if isinstance(a, torch.Tensor)
+            else (a == 1, a % 16 == 0, -_I32 <= a < _I32, a < 2**63)
+            if a.__class__ is int
+            else float
+            if a.__class__ is float
+            else (a.__class__, a)
+            for a in args
+        ],
+    )
 
 
 def launch(kernel, grid: Sequence[int], *args, **kwargs) -> None:
@@ -41,7 +53,8 @@ def launch(kernel, grid: Sequence[int], *args, **kwargs) -> None:
     if not isinstance(kernel, JITFunction):  # the interpreter's function
         kernel[grid](*args, **kwargs)
         return
-    key = (kernel, torch.cuda.current_device(), tuple(kwargs.items()), *map(_arg_key, args))
+    device = torch.cuda.current_device()
+    key = _key(kernel, device, args, kwargs)
     entry = _COMPILED.get(key)
     if entry is None:
         compiled = kernel[grid](*args, **kwargs)
@@ -51,5 +64,18 @@ def launch(kernel, grid: Sequence[int], *args, **kwargs) -> None:
             _COMPILED[key] = compiled, tail
         return
     compiled, tail = entry
-    # the launcher takes every parameter in signature order (constexprs included), as JITFunction.run passes them
-    compiled[tuple(grid) + (1,) * (3 - len(grid))](*args, *tail)
+    grid = (*grid, 1, 1)[:3]
+    stream = driver.active.get_current_stream(device)
+    # what JITFunction.run does once it has the compiled kernel: the launcher takes every parameter in signature order
+    # (constexprs included), and a profiler's launch hooks get their metadata
+    compiled.run(
+        *grid,
+        stream,
+        compiled.function,
+        compiled.packed_metadata,
+        compiled.launch_metadata(grid, stream, *args, *tail),
+        knobs.runtime.launch_enter_hook,
+        knobs.runtime.launch_exit_hook,
+        *args,
+        *tail,
+    )
