@@ -69,6 +69,13 @@ SHAPES = {
     "gemma2-2b": (8192, 2304, 256000),
 }
 BUDGETS_MIB = (256, 512, 1024, 2048, 4096)
+
+
+def shape_softcap(name: str) -> float | None:
+    """gemma2-2b's final-logit softcap; the other shapes have none."""
+    return 30.0 if name == "gemma2-2b" else None
+
+
 GiB = 1 << 30
 
 
@@ -383,7 +390,7 @@ def switch_ab(name: str, variable: str, whats: tuple[str, ...] = ("fwd_bwd",)) -
     timed in turns: ms of each, ``on ÷ off`` and ``÷`` the floor (fwd_bwd, pertoken) or one GEMM (no_grad), and
     each one's CUDA time per kernel. ``scaled``: ``HF_FLCE_SCALED_GRAD``; ``reference``: ``HF_FLCE_ROW_REFERENCE``."""
     n, h, v = SHAPES[name]
-    softcap = 30.0 if name == "gemma2-2b" else None
+    softcap = shape_softcap(name)
     x, w, y = inputs(n, h, v)
     g = torch.randn(n, device="cuda")
 
@@ -432,7 +439,7 @@ def switch_ab(name: str, variable: str, whats: tuple[str, ...] = ("fwd_bwd",)) -
 def hopper(name: str) -> dict:
     """The warp-specialized logits GEMM against the Triton kernel and cuBLAS, and the engine with it on and off."""
     n, h, v = SHAPES[name]
-    softcap = 30.0 if name == "gemma2-2b" else None
+    softcap = shape_softcap(name)
     x, w, y = inputs(n, h, v)
     xd, wd = x.detach(), w.detach()
     # no optional statistics, as the engine asks for a plain loss (the Gluon kernel computes none)
@@ -494,10 +501,19 @@ HOST_SHAPE = (256, 4096, 32768)
 def _call_inputs(name: str):
     """The shape's softcap, inputs (also detached) and the time of one cuBLAS GEMM of it."""
     n, h, v = SHAPES[name]
-    softcap = 30.0 if name == "gemma2-2b" else None
     x, w, y = inputs(n, h, v)
     xd, wd = x.detach(), w.detach()
-    return softcap, x, w, y, xd, wd, timed(lambda: torch.mm(xd, wd.T))
+    return shape_softcap(name), x, w, y, xd, wd, timed(lambda: torch.mm(xd, wd.T))
+
+
+def isolated_calls(name: str, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> dict:
+    """The shape's no-grad call and fwd+bwd call (gradients of ``x`` and ``w``) on these inputs."""
+    softcap = shape_softcap(name)
+    xd, wd = x.detach(), w.detach()
+    return {
+        "no_grad": lambda: hf_flce.fused_linear_cross_entropy(xd, wd, y, softcap=softcap),
+        "fwd_bwd": lambda: torch.autograd.grad(hf_flce.fused_linear_cross_entropy(x, w, y, softcap=softcap), (x, w)),
+    }
 
 
 def host(name: str) -> dict:
@@ -566,11 +582,8 @@ _HOST_WAITS = ("aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaDevice
 
 def timeline(name: str) -> dict:
     """Where an isolated call's time goes: host work before the first kernel, gaps, every kernel, the end."""
-    softcap, x, w, y, xd, wd, one = _call_inputs(name)
-    calls = {
-        "no_grad": lambda: hf_flce.fused_linear_cross_entropy(xd, wd, y, softcap=softcap),
-        "fwd_bwd": lambda: torch.autograd.grad(hf_flce.fused_linear_cross_entropy(x, w, y, softcap=softcap), (x, w)),
-    }
+    _, x, w, y, _, _, one = _call_inputs(name)
+    calls = isolated_calls(name, x, w, y)
     row = dict(shape=name, gemm_ms=one)
     for label, fn in calls.items():
         row[f"{label}_ms"] = timed(fn)
@@ -614,7 +627,7 @@ def host_per_call() -> dict:
 
 def enqueue(name: str) -> dict:
     """Host time before the head GEMM's launch in isolated calls (see the module docstring, section 12)."""
-    softcap, x, w, y, xd, wd, one = _call_inputs(name)
+    _, x, w, y, _, _, one = _call_inputs(name)
     marks: list = []
     launch_tuned = triton_gemm._launch_tuned
 
@@ -623,10 +636,7 @@ def enqueue(name: str) -> dict:
         marks[-1].record()
         return launch_tuned(*args, **kwargs)
 
-    calls = {
-        "no_grad": lambda: hf_flce.fused_linear_cross_entropy(xd, wd, y, softcap=softcap),
-        "fwd_bwd": lambda: torch.autograd.grad(hf_flce.fused_linear_cross_entropy(x, w, y, softcap=softcap), (x, w)),
-    }
+    calls = isolated_calls(name, x, w, y)
     row = dict(shape=name, gemm_ms=one)
     triton_gemm._launch_tuned = marked
     try:
@@ -686,7 +696,7 @@ def power(name: str) -> list[dict]:
     (cuBLAS, and ours through ``triton_gemm.forward`` with its small kernels), from nvidia-smi's clock and power
     samples (every 50 ms) over each call's steady window."""
     n, h, v = SHAPES[name]
-    params = _plain(v, 30.0 if name == "gemma2-2b" else None)
+    params = _plain(v, shape_softcap(name))
     rows = plan_chunk_rows(n, v, triton_gemm.bytes_per_logit(v, params), GiB, 4 * v * h)
     x, w, y = inputs(rows, h, v)
     x, w = x.detach(), w.detach()

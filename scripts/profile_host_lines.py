@@ -82,7 +82,7 @@ def main() -> None:
     import hf_flce
 
     assert Path(hf_flce.__file__).is_relative_to(copy), hf_flce.__file__
-    from profile_head import SHAPES, inputs
+    from profile_head import SHAPES, inputs, isolated_calls
 
     def profile(label: str, fn) -> list[tuple[str, float]]:
         for _ in range(5):
@@ -105,20 +105,9 @@ def main() -> None:
             previous = at
         return rows
 
-    def calls(name: str) -> dict:
-        x, w, y = inputs(*SHAPES[name])
-        xd, wd = x.detach(), w.detach()
-        softcap = 30.0 if name == "gemma2-2b" else None
-        return {
-            "no_grad": lambda: hf_flce.fused_linear_cross_entropy(xd, wd, y, softcap=softcap),
-            "fwd_bwd": lambda: torch.autograd.grad(
-                hf_flce.fused_linear_cross_entropy(x, w, y, softcap=softcap), (x, w)
-            ),
-        }
-
     result = {"gpu": torch.cuda.get_device_name()}
     for name in args.shapes.split(","):
-        for label, fn in calls(name).items():
+        for label, fn in isolated_calls(name, *inputs(*SHAPES[name])).items():
             result[f"{name}:{label}"] = profile(f"{name} {label}", fn)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
