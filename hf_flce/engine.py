@@ -377,16 +377,36 @@ def _fused_head(plan: CallPlan, x: torch.Tensor, weight: torch.Tensor, bias: tor
 
 
 def _chunk_forward(
-    x_chunk, w_c, bias, ys, plan: CallPlan, fused, grad_scale, eager: bool, keep: bool, scaled: bool = False
+    x_chunk,
+    w_c,
+    bias,
+    ys,
+    plan: CallPlan,
+    fused,
+    grad_scale,
+    eager: bool,
+    keep: bool,
+    scaled: bool = False,
+    settle: Callable[[], int] | None = None,
+    rows_on_device: torch.Tensor | None = None,
 ):
     """One chunk: its row statistics, the detached target probability (DFT only), for a scalar loss the logits
     gradient times ``grad_scale()`` (one value per row, asked for once the logits GEMM is launched; with ``scaled``
-    as the epilogue path's ``ScaledGradient``), and with ``keep`` what the per-token backward reuses."""
+    as the epilogue path's ``ScaledGradient``), and with ``keep`` what the per-token backward reuses.
+    ``settle`` (a scaled gradient's first chunk, launched before the host knows how many rows are kept, with the GEMM
+    reading that count from ``rows_on_device``): called once the GEMM is launched, it returns how many of the
+    chunk's leading rows count, and the results are cut to them."""
+    n_rows = x_chunk.shape[0]
     if fused is not None:
-        stats, kept = fused.forward(x_chunk, w_c, bias, ys, plan.params, keep=eager or keep, scaled=scaled)
+        stats, kept = fused.forward(
+            x_chunk, w_c, bias, ys, plan.params, keep=eager or keep, rows_on_device=rows_on_device, scaled=scaled
+        )
+        if settle is not None:
+            n_rows = settle()
+            stats, kept, ys = stats.head(n_rows), kept.head(n_rows), ys[:n_rows]
     else:
         kept = compute_logits(x_chunk, w_c, bias, _logits_16bit(plan, x_chunk, bias))
-    scale = grad_scale()[: x_chunk.shape[0]] if eager else None
+    scale = grad_scale()[:n_rows] if eager else None
     grad_out = prob = None
     if fused is None and eager and not plan.prob_weighted:
         # statistics and gradient in one pass over the logits
@@ -502,11 +522,18 @@ def _forward(x, weight, bias, target, plan: CallPlan, needs_input_grad) -> tuple
         outputs = _statistics_without_sync(x, w_c, bias, target, plan, fused)
         if outputs is not None:
             return outputs, None
-    rows, ys = kept_rows(target, vocab, plan.params.ignore_index, _can_compact(), fused)
-    n_valid = ys.shape[0]
-
+    ignore_index = plan.params.ignore_index
     eager = need_grad and plan.reduction == "scalar"
     residual = _residual_dw(plan, x, weight) if eager else None
+    # the gradient as E and row scales (no pass over the logits): not into an int8 residual, and on CUDA only where
+    # mm_fp32 keeps E W in float32
+    scaled = (
+        eager
+        and fused is not None
+        and residual is None
+        and (_HAS_MM_OUT_DTYPE or w_c.device.type != "cuda")
+        and fused.scaled_gradient_supports(w_c.dtype, bias, plan)
+    )
     accumulator = _accumulator_bytes(residual, weight, eager and need_dw)
     logits_16bit = fused is None and _logits_16bit(plan, x, bias)
     if fused is not None:
@@ -516,7 +543,24 @@ def _forward(x, weight, bias, target, plan: CallPlan, needs_input_grad) -> tuple
     else:
         per_logit = _bytes_per_logit(plan, (plan.compute_dtype or x.dtype) if eager else None, logits_16bit)
         kept_per_logit = 2 if logits_16bit else 4
-    chunk = _plan_rows(plan, n_valid, vocab, per_logit, residual, accumulator, logits_16bit)
+    # With a scaled gradient the first chunk's GEMM need not wait for the host to learn how many rows are kept: the
+    # kept rows are moved first on the device, that GEMM reads their count from device memory, and the host reads
+    # it (with the targets' range) while the GEMM runs. The first chunk is then planned as if every row were kept,
+    # so this is done only where that chunk fits the budget: where one chunk is taken for costing less than the
+    # accumulator it saves, sizing it by every row would spend up to that accumulator more.
+    deferred = False
+    if scaled and n > 0 and _can_compact():
+        chunk = _plan_rows(plan, n, vocab, per_logit, residual, accumulator, logits_16bit)
+        deferred = chunk * vocab * per_logit <= plan.budget
+    if deferred:
+        order, ys_in_order, summary = fused.kept_order(target, ignore_index, vocab)
+        read_summary = fused.read_later(summary)
+        rows, ys = order, ys_in_order
+    else:
+        rows, ys = kept_rows(target, vocab, ignore_index, _can_compact(), fused)
+    n_valid = ys.shape[0]
+    if not deferred:
+        chunk = _plan_rows(plan, n_valid, vocab, per_logit, residual, accumulator, logits_16bit)
     n_chunks = max(1, -(-n_valid // chunk))
     keep_logits = (
         need_grad and not eager and n_valid > 0 and n_valid * vocab * kept_per_logit <= _keep_limit(plan, x.device)
@@ -524,51 +568,72 @@ def _forward(x, weight, bias, target, plan: CallPlan, needs_input_grad) -> tuple
     if keep_logits:
         chunk, n_chunks = n_valid, 1
 
-    grads = None
-    scaled = False
-    if eager:
-        # dX (zeroed where rows were dropped) and the dW summation, made once the first chunk's GEMM is launched: an
-        # isolated call's GPU waits for every host step before that launch
-        new_grads = functools.partial(
-            _GradBuffers, n, x.dtype, w_c, weight.dtype, n_chunks, need_dx, need_dw, need_db, rows, residual
-        )
-        # the gradient as E and row scales (no pass over the logits): not into an int8 residual, and on CUDA only
-        # where mm_fp32 keeps E W in float32
-        scaled = (
-            fused is not None
-            and residual is None
-            and (_HAS_MM_OUT_DTYPE or w_c.device.type != "cuda")
-            and fused.scaled_gradient_supports(w_c.dtype, bias, plan)
-        )
-    rows_per_chunk = min(chunk, max(n_valid, 1))
+    def settle() -> int:
+        """The deferred first chunk's rows that are kept, once the host has read the count; the rest is planned in
+        chunks no larger than the first."""
+        nonlocal rows, ys, n_valid, chunk, n_chunks
+        n_kept, low, high = read_summary()
+        _check_range(low, high, vocab, ignore_index)
+        rows, ys = (None, target) if n_kept == n else (order[:n_kept], ys_in_order[:n_kept])
+        first, n_valid = chunk, n_kept
+        rest = max(0, n_kept - first)
+        n_rest = -(-rest // first)
+        if n_rest:
+            chunk = -(-rest // n_rest)
+        n_chunks = 1 + n_rest
+        return min(n_kept, first)
+
+    # dX (zeroed where rows were dropped) and the dW summation, made once the first chunk's GEMM is launched: an
+    # isolated call's GPU waits for every host step before that launch
+    def new_grads() -> _GradBuffers:
+        return _GradBuffers(n, x.dtype, w_c, weight.dtype, n_chunks, need_dx, need_dw, need_db, rows, residual)
 
     # Asked for after the first GEMM's launch: the denominator's few small launches then run under that GEMM
     # instead of delaying it (an isolated call's GPU waits for every host step before the GEMM).
     @functools.cache
     def grad_scale() -> torch.Tensor:
-        return (1.0 / plan.denominator()).to(torch.float32).expand(rows_per_chunk)
+        return (1.0 / plan.denominator()).to(torch.float32).expand(n)
 
-    kept = None
+    grads = kept = None
     chunk_stats, chunk_probs = [], []
-    for start, end in _chunks(n_valid, chunk):
+    start = 0
+    while start < n_valid:
+        end = min(start + chunk, n_valid)
         x_chunk = _chunk_rows(x, rows, start, end, plan)
+        first_deferred = deferred and start == 0
         stats, prob, grad_out, kept_chunk = _chunk_forward(
-            x_chunk, w_c, bias, ys[start:end], plan, fused, grad_scale, eager, keep_logits, scaled
+            x_chunk,
+            w_c,
+            bias,
+            ys[start:end],
+            plan,
+            fused,
+            grad_scale,
+            eager,
+            keep_logits,
+            scaled,
+            settle if first_deferred else None,
+            summary if first_deferred else None,
         )
-        chunk_stats.append(stats)
-        chunk_probs.append(prob)
-        if eager:
-            if grads is None:
-                grads = new_grads()
-            grads.add(start, end, grad_out, x_chunk)
-        elif keep_logits:
-            kept = kept_chunk
+        if first_deferred:
+            end = start + stats.loss.shape[0]
+            x_chunk = x_chunk[: end - start]
+        if end > start:
+            chunk_stats.append(stats)
+            chunk_probs.append(prob)
+            if eager:
+                if grads is None:
+                    grads = new_grads()
+                grads.add(start, end, grad_out, x_chunk)
+            elif keep_logits:
+                kept = kept_chunk
         # the next chunk's buffers must not be allocated while this chunk's are still referenced
         del grad_out, kept_chunk
+        start = end
     if eager:
         if grads is None:  # no kept row, no chunk
             grads = new_grads()
-        grads.add_target_rows(x, ys, plan.params.ignore_index)
+        grads.add_target_rows(x, ys, ignore_index)
 
     kept_stats = _joined_stats(chunk_stats, x.device)
     outputs = _outputs(kept_stats, plan, lambda values: _scatter_rows(values, rows, n))

@@ -22,6 +22,9 @@ from typing import Any
 import torch
 
 GiB = 1 << 30
+# The GPU spin (``torch.cuda._sleep`` cycles, ~0.2-0.3 ms) queued before a timed yardstick, long enough for the host to
+# enqueue it before the GPU gets there (Device.time_queued).
+LEAD_SPIN_CYCLES = 400_000
 PEER_PACKAGES = ("torch", "triton", "transformers", "liger-kernel", "cut-cross-entropy", "trl", "datasets")
 
 
@@ -92,6 +95,14 @@ class Device:
         top clock, and the clock it settles at depends on the load of the last second or so (an H200 at 700 W: 1980
         MHz idle, ~1400-1600 under these GEMMs). Timed in turns after settling, the calls meet the same clocks; a
         yardstick timed apart from what it measures can be off by 10% either way."""
+        self._settle(fns, warmup, settle_s)
+        times: list[list[float]] = [[] for _ in fns]
+        for _ in range(reps):
+            for fn, out in zip(fns, times, strict=True):
+                out.append(self._time_one(fn))
+        return times
+
+    def _settle(self, fns: Sequence[Callable[[], Any]], warmup: int, settle_s: float) -> None:
         start = time.perf_counter()
         done = 0
         while done < warmup or time.perf_counter() - start < settle_s:
@@ -99,11 +110,34 @@ class Device:
                 fn()
             self.sync()
             done += 1
-        times: list[list[float]] = [[] for _ in fns]
+
+    def time_queued(
+        self, yardstick: Callable[[], Any], fn: Callable[[], Any], warmup: int, reps: int, settle_s: float
+    ) -> tuple[list[float], list[float], list[float]]:
+        """``fn`` against ``yardstick`` in ``reps`` rounds after settling (``time_rounds``): milliseconds of the
+        yardstick, of ``fn`` queued behind it and of ``fn`` isolated.
+
+        Queued is how an op runs inside a model: the host enqueues it while the GPU is still busy with earlier work
+        (here the yardstick, itself behind a short spin so that its own launch is not timed), so host time before the
+        op's first host synchronisation is hidden, and only what follows such a read shows. Isolated is one call on an
+        idle GPU, which waits for every host step before the first kernel."""
+        self._settle([yardstick, fn], warmup, settle_s)
+        spin = getattr(self.mod, "_sleep", None)
+        yard, queued, isolated = [], [], []
         for _ in range(reps):
-            for fn, out in zip(fns, times, strict=True):
-                out.append(self._time_one(fn))
-        return times
+            isolated.append(self._time_one(fn))
+            marks = [self.mod.Event(enable_timing=True) for _ in range(3)]
+            if spin is not None:
+                spin(LEAD_SPIN_CYCLES)
+            marks[0].record()
+            yardstick()
+            marks[1].record()
+            fn()
+            marks[2].record()
+            marks[2].synchronize()
+            yard.append(float(marks[0].elapsed_time(marks[1])))
+            queued.append(float(marks[1].elapsed_time(marks[2])))
+        return yard, queued, isolated
 
     def extra_memory(self, fn: Callable[[], Any]) -> tuple[Any, int]:
         """``fn()`` and its peak allocation above what was allocated before it (inputs excluded, outputs included)."""

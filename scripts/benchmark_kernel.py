@@ -26,7 +26,11 @@ Sections (``--sections``):
             Ratios: each timed call alternates with one of its yardstick (the floor's three GEMMs back to back, or
             the one logits GEMM for the no-grad forward) after ``SETTLE_S`` of untimed rounds, so both run at the
             clocks the GPU settles at under that load (``paired_floor_ms``, ``paired_gemm_ms``); an H100/H200 runs
-            these GEMMs at its power limit, well below its top clock.
+            these GEMMs at its power limit, well below its top clock. Each call is timed twice per round: queued
+            behind its yardstick (``fwdbwd_ms``, ``fwd_ms``: as inside a model, where the host enqueues the head
+            while the GPU still runs the layers before it, so only host time after a host read is exposed), and
+            isolated on an idle GPU (``fwdbwd_isolated_ms``, ``fwd_isolated_ms``: every host step before the first
+            kernel is exposed).
   pertoken  ``reduction="none"`` with a random per-token upstream gradient: time, memory, gradient error.
   masked    the first half of every 4096-token sequence masked as prompt, against the unmasked batch.
   memory    accelerators: extra memory and time vs N (8k, 32k, 64k tokens at llama3-8b's H and V). CPU: peak RSS
@@ -407,12 +411,20 @@ SETTLE_S = 0.5
 
 def _timed(dev: Device, fn, name: str, yardstick, yardstick_name: str, warmup: int, reps: int) -> dict[str, Any]:
     """``name_ms`` and ``name_times`` of ``fn``, and the same of ``yardstick`` (if not None) timed in turns with it
-    once the clocks have settled."""
-    fns = [fn] if yardstick is None else [yardstick, fn]
-    times = dev.time_rounds(fns, warmup, reps, SETTLE_S if dev.accelerator and yardstick is not None else 0.0)
-    rec = {f"{name}_ms": median(times[-1]), f"{name}_times": times[-1]}
-    if yardstick is not None:
-        rec.update({f"{yardstick_name}_ms": median(times[0]), f"{yardstick_name}_times": times[0]})
+    once the clocks have settled. On an accelerator with a yardstick, ``name_ms`` is ``fn`` queued behind the
+    yardstick, as inside a model, and ``name_isolated_ms`` the same call on an idle GPU (``Device.time_queued``)."""
+    if yardstick is None:
+        times = dev.time_rounds([fn], warmup, reps)[0]
+        return {f"{name}_ms": median(times), f"{name}_times": times}
+    if not dev.accelerator:
+        yard, times = dev.time_rounds([yardstick, fn], warmup, reps)
+        isolated = None
+    else:
+        yard, times, isolated = dev.time_queued(yardstick, fn, warmup, reps, SETTLE_S)
+    rec = {f"{name}_ms": median(times), f"{name}_times": times}
+    rec.update({f"{yardstick_name}_ms": median(yard), f"{yardstick_name}_times": yard})
+    if isolated is not None:
+        rec.update({f"{name}_isolated_ms": median(isolated), f"{name}_isolated_times": isolated})
     return rec
 
 
@@ -699,7 +711,13 @@ def render_tables(data: dict[str, Any]) -> str:
         parts.append(
             "Each provider's calls are timed in turns with the floor's three cuBLAS GEMMs run back to back, and "
             "divided by the median of those (a GPU at its power limit changes its clocks within a fraction of a "
-            "second). `floor ms` and `1 GEMM ms`: the shape's GEMMs timed on their own, for scale."
+            "second). `floor ms` and `1 GEMM ms`: the shape's GEMMs timed on their own, for scale. "
+            + (
+                "Times are of calls queued behind that yardstick, as inside a model (host time before a host read "
+                "hidden); the Details give each call isolated on an idle GPU too."
+                if any(r.get("fwdbwd_isolated_ms") for r in data["main"])
+                else "Times are of isolated calls on an idle GPU."
+            )
         )
         parts.append("")
         rows = []
@@ -721,9 +739,11 @@ def render_tables(data: dict[str, Any]) -> str:
                     r["provider"],
                     fmt_ms(ms),
                     fmt_ratio(ratio(ms, _yardstick(r, "paired_floor_ms", floors))),
+                    fmt_ratio(ratio(_ok(r, "fwdbwd_isolated_ms"), r.get("paired_floor_ms"))),
                     fmt_ratio(ratio(_ok(ours, "fwdbwd_ms"), ms)),
                     fmt_ms(_ok(r, "fwd_ms")),
                     fmt_ratio(ratio(_ok(r, "fwd_ms"), _yardstick(r, "paired_gemm_ms", gemms))),
+                    fmt_ratio(ratio(_ok(r, "fwd_isolated_ms"), r.get("paired_gemm_ms"))),
                     fmt_gb(_ok(r, "extra_bytes")),
                     fmt_gb(_minus(_ok(r, "extra_bytes"), _ok(r, "grad_bytes"))),
                     fmt_err(_ok(r, "dx_err")),
@@ -732,7 +752,8 @@ def render_tables(data: dict[str, Any]) -> str:
                     r["status"],
                 ]
             )
-        headers = ["shape", "dist", "provider", "fwd+bwd ms", "÷ floor", "ours ÷ it", "fwd ms (no grad)", "÷ 1 GEMM"]
+        headers = ["shape", "dist", "provider", "fwd+bwd ms", "÷ floor", "isolated ÷ floor", "ours ÷ it"]
+        headers += ["fwd ms (no grad)", "÷ 1 GEMM", "isolated ÷ 1 GEMM"]
         headers += ["extra GB", "extra − grads GB", "dX err", "dW err", "loss err", "status"]
         parts.append(markdown_table(headers, rows))
 
@@ -749,11 +770,13 @@ def render_tables(data: dict[str, Any]) -> str:
                     r["provider"],
                     fmt_ms(ms),
                     fmt_ratio(ratio(ms, _yardstick(r, "paired_floor_ms", floors))),
+                    fmt_ratio(ratio(_ok(r, "fwdbwd_isolated_ms"), r.get("paired_floor_ms"))),
                     fmt_ratio(ratio(ours, ms)),
                 ]
                 + [fmt_gb(_ok(r, "extra_bytes")), fmt_err(_ok(r, "dx_err")), fmt_err(_ok(r, "dw_err")), r["status"]]
             )
-        headers = ["shape", "provider", "fwd+bwd ms", "÷ floor", "ours ÷ it", "extra GB", "dX err", "dW err", "status"]
+        headers = ["shape", "provider", "fwd+bwd ms", "÷ floor", "isolated ÷ floor", "ours ÷ it", "extra GB"]
+        headers += ["dX err", "dW err", "status"]
         parts.append(markdown_table(headers, rows))
 
     if data["masked"]:

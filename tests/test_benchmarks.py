@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -110,3 +111,49 @@ def test_training_benchmark_cpu(tmp_path: Path) -> None:
     assert abs(rows["ours"]["losses"][0] - rows["stock"]["losses"][0]) < 1e-2
     assert "tiny-llama" in (tmp_path / "training.md").read_text()
     assert (tmp_path / "training.png").stat().st_size > 0
+
+
+class _FakeGPU:
+    """A stand-in for ``torch.cuda`` with a clock of its own: a call on an idle GPU (nothing queued ahead of it)
+    costs its host time on top of its GPU time, as an event-timed call does."""
+
+    def __init__(self) -> None:
+        self.clock = 0.0
+        self.queued = False
+        outer = self
+
+        class Event:
+            def __init__(self, enable_timing: bool = False) -> None:
+                self.at = 0.0
+
+            def record(self) -> None:
+                self.at = outer.clock
+
+            def synchronize(self) -> None:
+                outer.queued = False
+
+            def elapsed_time(self, end: Event) -> float:
+                return end.at - self.at
+
+        self.Event = Event
+
+    def _sleep(self, cycles: int) -> None:
+        self.queued = True
+
+    def synchronize(self) -> None:
+        self.queued = False
+
+    def kernel(self, gpu_ms: float, host_ms: float) -> None:
+        self.clock += gpu_ms + (0.0 if self.queued else host_ms)
+        self.queued = True
+
+
+def test_queued_timing_hides_host_time_only_behind_earlier_work() -> None:
+    bc = _load("bench_common")
+    dev = bc.Device("cpu")
+    dev.mod = fake = _FakeGPU()
+    yardstick, queued, isolated = dev.time_queued(
+        lambda: fake.kernel(3.0, 0.01), lambda: fake.kernel(5.0, 0.5), warmup=1, reps=4, settle_s=0.0
+    )
+    assert yardstick == pytest.approx([3.0] * 4) and queued == pytest.approx([5.0] * 4)
+    assert isolated == pytest.approx([5.5] * 4)

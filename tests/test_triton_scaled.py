@@ -10,11 +10,11 @@ from unittest import mock
 import pytest
 import torch
 from test_triton_backend import DEVICE, build, check, make_inputs, rel_err
-from test_triton_gemm import epilogue_on  # noqa: F401 (autouse: the epilogue path on every device)
+from test_triton_gemm import epilogue_on, params_for  # noqa: F401 (autouse: the epilogue path on every device)
 
 import hf_flce
 from hf_flce import engine
-from hf_flce.backends import triton_scaled
+from hf_flce.backends import triton_gemm, triton_scaled
 
 
 @pytest.fixture
@@ -195,3 +195,84 @@ def test_fp16_keeps_the_gradient_pass(scaled_calls):
     hidden, weight, target, _ = make_inputs(20, 16, 100)
     check(hidden.half(), weight.half(), target, tol=2e-3, grad_tol=1e-2)
     assert scaled_calls["chunks"] == 0
+
+
+def _launches_and_reads(hidden, weight, target, **opts):
+    """``grads`` with the scaled gradient, recording in order each launch of the head GEMM and each time the host
+    reads the kept count; the compaction that reads it before any launch must not run."""
+    events = []
+    real_launch, real_read_later = triton_gemm._launch_tuned, triton_gemm.read_later
+
+    def launch(*args, **kwargs):
+        events.append("gemm")
+        return real_launch(*args, **kwargs)
+
+    def read_later(summary):
+        read = real_read_later(summary)
+
+        def recorded():
+            events.append("read")
+            return read()
+
+        return recorded
+
+    with (
+        mock.patch.object(triton_gemm, "_launch_tuned", launch),
+        mock.patch.object(triton_gemm, "read_later", read_later),
+        mock.patch.object(engine, "kept_rows", side_effect=AssertionError("compaction read the count first")),
+    ):
+        result = grads(hidden, weight, target, True, **opts)
+    return events, result
+
+
+@pytest.mark.parametrize("kept", ["all", "fewer than the first chunk", "one past the first chunk", "none"])
+def test_first_chunk_is_launched_before_the_kept_count_is_read(kept, scaled_calls):
+    """The first chunk's GEMM reads the kept count from device memory, so the host reads it only once that GEMM is
+    launched; the first chunk is planned as if every row were kept, and the rest of the call from the count."""
+    n, budget = 48, 3072  # chunks of about 12 rows: sized by the budget, not by the accumulator rule
+    hidden, weight, target, _ = make_inputs(n, 16, 120, ignore_every=0)
+    hidden, weight = hidden.bfloat16(), weight.bfloat16()
+    events, _ = _launches_and_reads(hidden, weight, target, memory_budget=budget)
+    first = -(-n // events.count("gemm"))  # every row kept: balanced chunks
+    assert events[:2] == ["gemm", "read"] and events.count("read") == 1 and first < n
+    positions = torch.randperm(n, generator=torch.Generator().manual_seed(3))
+    keep = {"all": n, "fewer than the first chunk": first - 3, "one past the first chunk": first + 1, "none": 0}[kept]
+    target = target.clone()
+    target[positions[keep:].to(DEVICE)] = -100
+    events, (loss, dx, dw) = _launches_and_reads(hidden, weight, target, memory_budget=budget)
+    assert events[:2] == ["gemm", "read"] and events.count("read") == 1
+    assert events.count("gemm") == {n: -(-n // first), first - 3: 1, first + 1: 2, 0: 1}[keep]
+    if keep:
+        assert_no_worse(hidden, weight, target, memory_budget=budget)
+    else:
+        assert loss.item() == 0.0 and not dx.abs().sum() and not dw.abs().sum()
+
+
+def test_bad_target_raises_after_the_first_launch():
+    """A target outside [0, V) is found by the same host read, after the first GEMM's launch (that GEMM saw it as
+    ignored); the ValueError names it, and the next call is unaffected."""
+    hidden, weight, target, _ = make_inputs(30, 16, 90)
+    hidden, weight = hidden.bfloat16(), weight.bfloat16()
+    for bad in (90, -7):
+        wrong = target.clone()
+        wrong[4] = bad
+        with pytest.raises(ValueError, match=f"target contains {bad}, outside \\[0, V=90\\)"):
+            _launches_and_reads(hidden, weight, wrong)
+    assert_no_worse(hidden, weight, target)
+
+
+def test_one_chunk_taken_for_the_accumulator_reads_the_count_first(scaled_calls):
+    """Where one chunk is taken for costing less than the float32 accumulator several would need (not for fitting
+    the budget), sizing it by every row could spend up to that accumulator more: the count is read first there."""
+    n, h, v = 48, 16, 120
+    hidden, weight, target, _ = make_inputs(n, h, v, ignore_every=3)
+    hidden, weight = hidden.bfloat16(), weight.bfloat16()
+    row_bytes = v * triton_gemm.bytes_per_logit(v, params_for(v, stats=frozenset()))
+    budget = int(n * row_bytes) - 4 * v * h // 2  # every row: over the budget, within budget + accumulator
+    with (
+        mock.patch.object(engine, "kept_rows", wraps=engine.kept_rows) as compaction,
+        mock.patch.object(triton_gemm, "read_later", side_effect=AssertionError("deferred")),
+    ):
+        grads(hidden, weight, target, True, memory_budget=budget)
+    assert compaction.called and scaled_calls["chunks"] == 1
+    assert_no_worse(hidden, weight, target, memory_budget=budget)

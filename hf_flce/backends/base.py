@@ -62,6 +62,10 @@ class TileStats:
         values = {f.name: torch.empty(rows, dtype=dtype, device=device) for f in fields(cls) if f.name != "is_top1"}
         return cls(is_top1=torch.empty(rows, dtype=torch.bool, device=device), **values)
 
+    def head(self, rows: int) -> TileStats:
+        """The first ``rows`` rows (views)."""
+        return TileStats(**{f.name: getattr(self, f.name)[:rows] for f in fields(self)})
+
 
 class TileOps(Protocol):
     name: str

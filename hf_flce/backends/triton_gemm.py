@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -305,12 +306,13 @@ def _head_gemm_kernel(
     """[BM, BN] tiles of the transformed logits t of x W^T + b, each reduced in the epilogue (see the module docstring).
     Persistent: each program takes every ``num_programs``-th tile of the full column blocks, then of the ragged last
     one (if V % BN), the only tiles that mask columns. ``ROWS_ON_DEVICE``: only the first ``*rows_ptr`` of the N rows
-    are computed (a count the host never reads); N stays the stride of the partials."""
+    (all N if that count is larger: a first chunk) are computed, a count the host never reads; N stays the stride
+    of the partials."""
     # the hardware's tanh for 16-bit operands; float32 ones (tests) get the float32-exact form
     FAST_TANH: tl.constexpr = HW_TANH and x_ptr.dtype.element_ty != tl.float32
     M = N
     if ROWS_ON_DEVICE:
-        M = tl.load(rows_ptr).to(tl.int32)
+        M = tl.minimum(tl.load(rows_ptr), N).to(tl.int32)
     tiles_m = tl.cdiv(M, BM)
     tiles_n = tl.cdiv(V, BN)
     full_n = V // BN
@@ -541,6 +543,24 @@ def kept_order(target: torch.Tensor, ignore_index: int, vocab: int) -> tuple[tor
     with TritonTileOps._device_guard(target.device):
         launch(_kept_order_kernel, (1,), target, n, vocab, ignore_index, order, kept, summary, BLOCK=4096, num_warps=8)
     return order, kept, summary
+
+
+def read_later(summary: torch.Tensor) -> Callable[[], list[int]]:
+    """``summary``'s values for the host without waiting for what is launched after this call: on CUDA a copy into
+    pinned host memory with an event behind it, and the returned function waits for that event alone, so GEMMs
+    launched in between keep the GPU busy while the host reads. (A ``tolist()`` would wait for all of them.)"""
+    if summary.device.type != "cuda":
+        return summary.tolist
+    host = torch.empty(summary.shape, dtype=summary.dtype, pin_memory=True)
+    host.copy_(summary, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+
+    def read() -> list[int]:
+        copied.synchronize()
+        return host.tolist()
+
+    return read
 
 
 @triton.jit
@@ -1075,11 +1095,12 @@ def forward(
     scaled: bool = False,
 ) -> tuple[TileStats, KeptSoftmax | triton_scaled.ScaledGradient | None]:
     """Statistics of every row of ``x W^T + b`` (and, with ``keep``, what the gradient pass needs), without ever
-    materialising the logits. ``rows_on_device`` (an integer tensor, statistics only): the GEMM computes only as many
-    leading rows as its first element says, a count the host need not read; the rows after them must have
-    ``ignore_index`` targets. ``scaled`` (a scalar loss, ``triton_scaled.supports``): the second result is the
-    logits gradient as a ``ScaledGradient`` per unit of upstream gradient, with no pass over the logits after the
-    GEMM."""
+    materialising the logits. ``rows_on_device`` (an integer tensor; statistics only, or a scaled gradient): the GEMM
+    computes only as many leading rows as its first element says (at most N), a count the host need not read; the
+    rows after them must have ``ignore_index`` targets, and a scaled gradient's ``E`` is left unwritten there (the
+    caller cuts those rows off once it knows the count). ``scaled`` (a scalar loss, ``triton_scaled.supports``): the
+    second result is the logits gradient as a ``ScaledGradient`` per unit of upstream gradient, with no pass over the
+    logits after the GEMM."""
     n, vocab = x.shape[0], params.vocab
     dev = x.device
     f32 = dict(dtype=torch.float32, device=dev)

@@ -307,6 +307,12 @@ class ScaledGradient:
     target: torch.Tensor  # [rows] int64
     ignore_index: int
 
+    def head(self, rows: int) -> ScaledGradient:
+        """The first ``rows`` rows (views)."""
+        return ScaledGradient(
+            self.e[:rows], self.row_scale[:rows], self.target_coef[:rows], self.target[:rows], self.ignore_index
+        )
+
     def times(self, upstream: torch.Tensor) -> ScaledGradient:
         return ScaledGradient(
             self.e, self.row_scale * upstream, self.target_coef * upstream, self.target, self.ignore_index
