@@ -22,9 +22,6 @@ from typing import Any
 import torch
 
 GiB = 1 << 30
-# The GPU spin (``torch.cuda._sleep`` cycles, ~0.2-0.3 ms) queued before a timed yardstick, long enough for the host to
-# enqueue it before the GPU gets there (Device.time_queued).
-LEAD_SPIN_CYCLES = 400_000
 PEER_PACKAGES = ("torch", "triton", "transformers", "liger-kernel", "cut-cross-entropy", "trl", "datasets")
 
 
@@ -113,31 +110,31 @@ class Device:
 
     def time_queued(
         self, yardstick: Callable[[], Any], fn: Callable[[], Any], warmup: int, reps: int, settle_s: float
-    ) -> tuple[list[float], list[float], list[float]]:
-        """``fn`` against ``yardstick`` in ``reps`` rounds after settling (``time_rounds``): milliseconds of the
-        yardstick, of ``fn`` queued behind it and of ``fn`` isolated.
+    ) -> dict[str, list[float]]:
+        """``fn`` against ``yardstick`` in ``reps`` rounds after settling (``time_rounds``), milliseconds of each
+        timed two ways: ``queued`` and ``yardstick`` (one after the other behind an untimed call of the yardstick),
+        ``isolated`` and ``yardstick_isolated`` (each alone on an idle GPU, as ``time_rounds`` times them).
 
-        Queued is how an op runs inside a model: the host enqueues it while the GPU is still busy with earlier work
-        (here the yardstick, itself behind a short spin so that its own launch is not timed), so host time before the
-        op's first host synchronisation is hidden, and only what follows such a read shows. Isolated is one call on an
-        idle GPU, which waits for every host step before the first kernel."""
+        Queued is how an op runs inside a model: the host enqueues it while the GPU is still busy with earlier work,
+        so host time before the op's first host synchronisation is hidden and only what follows such a read shows;
+        both calls start on a GPU already under load (clocks at its power limit). Isolated, the GPU waits for every
+        host step before the first kernel, and starts from the clocks of a short idle spell."""
         self._settle([yardstick, fn], warmup, settle_s)
-        spin = getattr(self.mod, "_sleep", None)
-        yard, queued, isolated = [], [], []
+        times: dict[str, list[float]] = {"yardstick": [], "queued": [], "yardstick_isolated": [], "isolated": []}
         for _ in range(reps):
-            isolated.append(self._time_one(fn))
+            times["yardstick_isolated"].append(self._time_one(yardstick))
+            times["isolated"].append(self._time_one(fn))
             marks = [self.mod.Event(enable_timing=True) for _ in range(3)]
-            if spin is not None:
-                spin(LEAD_SPIN_CYCLES)
+            yardstick()
             marks[0].record()
             yardstick()
             marks[1].record()
             fn()
             marks[2].record()
             marks[2].synchronize()
-            yard.append(float(marks[0].elapsed_time(marks[1])))
-            queued.append(float(marks[1].elapsed_time(marks[2])))
-        return yard, queued, isolated
+            times["yardstick"].append(float(marks[0].elapsed_time(marks[1])))
+            times["queued"].append(float(marks[1].elapsed_time(marks[2])))
+        return times
 
     def extra_memory(self, fn: Callable[[], Any]) -> tuple[Any, int]:
         """``fn()`` and its peak allocation above what was allocated before it (inputs excluded, outputs included)."""

@@ -26,11 +26,11 @@ Sections (``--sections``):
             Ratios: each timed call alternates with one of its yardstick (the floor's three GEMMs back to back, or
             the one logits GEMM for the no-grad forward) after ``SETTLE_S`` of untimed rounds, so both run at the
             clocks the GPU settles at under that load (``paired_floor_ms``, ``paired_gemm_ms``); an H100/H200 runs
-            these GEMMs at its power limit, well below its top clock. Each call is timed twice per round: queued
-            behind its yardstick (``fwdbwd_ms``, ``fwd_ms``: as inside a model, where the host enqueues the head
-            while the GPU still runs the layers before it, so only host time after a host read is exposed), and
-            isolated on an idle GPU (``fwdbwd_isolated_ms``, ``fwd_isolated_ms``: every host step before the first
-            kernel is exposed).
+            these GEMMs at its power limit, well below its top clock. Each round times both calls twice: queued,
+            one after the other behind an untimed yardstick call (``fwdbwd_ms``, ``fwd_ms`` and the paired
+            yardsticks: as inside a model, where the host enqueues the head while the GPU still runs the layers
+            before it, so only host time after a host read is exposed), and isolated, each alone on an idle GPU
+            (``*_isolated_ms``: every host step before the first kernel is exposed; earlier runs timed only this).
   pertoken  ``reduction="none"`` with a random per-token upstream gradient: time, memory, gradient error.
   masked    the first half of every 4096-token sequence masked as prompt, against the unmasked batch.
   memory    accelerators: extra memory and time vs N (8k, 32k, 64k tokens at llama3-8b's H and V). CPU: peak RSS
@@ -411,20 +411,26 @@ SETTLE_S = 0.5
 
 def _timed(dev: Device, fn, name: str, yardstick, yardstick_name: str, warmup: int, reps: int) -> dict[str, Any]:
     """``name_ms`` and ``name_times`` of ``fn``, and the same of ``yardstick`` (if not None) timed in turns with it
-    once the clocks have settled. On an accelerator with a yardstick, ``name_ms`` is ``fn`` queued behind the
-    yardstick, as inside a model, and ``name_isolated_ms`` the same call on an idle GPU (``Device.time_queued``)."""
+    once the clocks have settled. On an accelerator with a yardstick, ``name_ms`` and ``yardstick_name_ms`` are the
+    calls queued one after the other, as inside a model, and ``name_isolated_ms``, ``yardstick_name_isolated_ms``
+    each alone on an idle GPU (``Device.time_queued``)."""
     if yardstick is None:
         times = dev.time_rounds([fn], warmup, reps)[0]
         return {f"{name}_ms": median(times), f"{name}_times": times}
     if not dev.accelerator:
         yard, times = dev.time_rounds([yardstick, fn], warmup, reps)
-        isolated = None
+        timed = {"yardstick": yard, "queued": times}
     else:
-        yard, times, isolated = dev.time_queued(yardstick, fn, warmup, reps, SETTLE_S)
-    rec = {f"{name}_ms": median(times), f"{name}_times": times}
-    rec.update({f"{yardstick_name}_ms": median(yard), f"{yardstick_name}_times": yard})
-    if isolated is not None:
-        rec.update({f"{name}_isolated_ms": median(isolated), f"{name}_isolated_times": isolated})
+        timed = dev.time_queued(yardstick, fn, warmup, reps, SETTLE_S)
+    names = {
+        "queued": name,
+        "yardstick": yardstick_name,
+        "isolated": f"{name}_isolated",
+        "yardstick_isolated": f"{yardstick_name}_isolated",
+    }
+    rec = {}
+    for kind, times in timed.items():
+        rec.update({f"{names[kind]}_ms": median(times), f"{names[kind]}_times": times})
     return rec
 
 
@@ -739,11 +745,11 @@ def render_tables(data: dict[str, Any]) -> str:
                     r["provider"],
                     fmt_ms(ms),
                     fmt_ratio(ratio(ms, _yardstick(r, "paired_floor_ms", floors))),
-                    fmt_ratio(ratio(_ok(r, "fwdbwd_isolated_ms"), r.get("paired_floor_ms"))),
+                    fmt_ratio(ratio(_ok(r, "fwdbwd_isolated_ms"), r.get("paired_floor_isolated_ms"))),
                     fmt_ratio(ratio(_ok(ours, "fwdbwd_ms"), ms)),
                     fmt_ms(_ok(r, "fwd_ms")),
                     fmt_ratio(ratio(_ok(r, "fwd_ms"), _yardstick(r, "paired_gemm_ms", gemms))),
-                    fmt_ratio(ratio(_ok(r, "fwd_isolated_ms"), r.get("paired_gemm_ms"))),
+                    fmt_ratio(ratio(_ok(r, "fwd_isolated_ms"), r.get("paired_gemm_isolated_ms"))),
                     fmt_gb(_ok(r, "extra_bytes")),
                     fmt_gb(_minus(_ok(r, "extra_bytes"), _ok(r, "grad_bytes"))),
                     fmt_err(_ok(r, "dx_err")),
@@ -770,7 +776,7 @@ def render_tables(data: dict[str, Any]) -> str:
                     r["provider"],
                     fmt_ms(ms),
                     fmt_ratio(ratio(ms, _yardstick(r, "paired_floor_ms", floors))),
-                    fmt_ratio(ratio(_ok(r, "fwdbwd_isolated_ms"), r.get("paired_floor_ms"))),
+                    fmt_ratio(ratio(_ok(r, "fwdbwd_isolated_ms"), r.get("paired_floor_isolated_ms"))),
                     fmt_ratio(ratio(ours, ms)),
                 ]
                 + [fmt_gb(_ok(r, "extra_bytes")), fmt_err(_ok(r, "dx_err")), fmt_err(_ok(r, "dw_err")), r["status"]]
