@@ -488,7 +488,7 @@ def _statistics_without_sync(x, w_c, bias, target, plan: CallPlan, fused):
     """A no-grad call on the epilogue GEMM, whose host never waits before the GEMM's launch: the kept rows are moved
     first on the device (a fixed-size gather) and the GEMM reads their count from device memory. Prompt-masked rows
     still cost nothing but that gather. The targets' range is checked by one host read after the launches (a
-    ValueError, as everywhere). None where this does not apply: a call whose partial statistics and gathered rows
+    ValueError, as everywhere), of a copy made right after the compaction: the call returns while the GEMM runs. None where this does not apply: a call whose partial statistics and gathered rows
     exceed the budget (it takes the chunked path), or one that may not sync at all (graph capture, compilation)."""
     n, vocab = x.shape[0], w_c.shape[0]
     if fused is None or n == 0 or not _can_compact():
@@ -500,6 +500,8 @@ def _statistics_without_sync(x, w_c, bias, target, plan: CallPlan, fused):
     ignore_index = plan.params.ignore_index
     # the kept rows first; the GEMM reads their count from summary[0], and rows past it are never computed
     order, y_kept, summary = fused.kept_order(target, ignore_index, vocab)
+    # the host waits for this copy alone, not for the GEMM (it returns while the GEMM runs)
+    read_summary = fused.read_later(summary)
     x_kept = compute_operand(x.index_select(0, order), plan)
     stats, _ = fused.forward(x_kept, w_c, bias, y_kept, plan.params, False, summary)
     if plan.prob_weighted:
@@ -507,7 +509,7 @@ def _statistics_without_sync(x, w_c, bias, target, plan: CallPlan, fused):
     # the mask only for outputs placed back per token (a scalar loss without stats needs none)
     valid = functools.cache(lambda: target != ignore_index)
     outputs = _outputs(stats, plan, lambda values: values.new_zeros(n).masked_scatter_(valid(), values))
-    _check_range(*summary[1:].tolist(), vocab, ignore_index)
+    _check_range(*read_summary()[1:], vocab, ignore_index)
     return outputs
 
 
