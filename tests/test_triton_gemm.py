@@ -313,6 +313,25 @@ def test_call_returns_while_the_head_gemm_runs(grad):
     assert_close(loss.detach(), ref, 1e-3, "loss")
 
 
+@pytest.mark.skipif(DEVICE.type != "cuda" or torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+@pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "scalar-loss"])
+def test_inputs_on_a_device_that_is_not_the_current_one(grad):
+    """The host's read of the kept count waits on the inputs' device's stream, not the current device's."""
+    other = torch.device("cuda", 1)
+    hidden, weight, target, _, _ = build((), n=300, v=4000, ignore_every=3)
+    h, w = (t.bfloat16().to(other).requires_grad_(grad) for t in (hidden, weight))
+    y = target.to(other)
+    assert torch.cuda.current_device() == 0
+    with torch.set_grad_enabled(grad):
+        loss = hf_flce.fused_linear_cross_entropy(h, w, y, backend="triton")
+        ref, _ = hf_flce.reference_linear_cross_entropy(h.detach().double(), w.detach().double(), y)
+        assert_close(loss.detach(), ref, 1e-3, "loss")
+        wrong = y.clone()
+        wrong[5] = 4000
+        with pytest.raises(ValueError, match="target contains 4000"):
+            hf_flce.fused_linear_cross_entropy(h, w, wrong, backend="triton")
+
+
 def test_prob_weighted_and_second_backward(fused_calls):
     hidden, weight, target, _, _ = build((), n=12)
     h, w = (t.half().requires_grad_() for t in (hidden, weight))

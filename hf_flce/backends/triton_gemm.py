@@ -553,8 +553,9 @@ def read_later(summary: torch.Tensor) -> Callable[[], list[int]]:
         return summary.tolist
     host = torch.empty(summary.shape, dtype=summary.dtype, pin_memory=True)
     host.copy_(summary, non_blocking=True)
+    # on the stream the copy went to: that of summary's device, which need not be the current device
     copied = torch.cuda.Event()
-    copied.record()
+    copied.record(torch.cuda.current_stream(summary.device))
 
     def read() -> list[int]:
         copied.synchronize()
