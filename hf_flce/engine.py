@@ -130,6 +130,35 @@ def _check_range(low: int, high: int, vocab: int, ignore_index: int) -> None:
         _raise_target_range(low if low < 0 else high, vocab, ignore_index)
 
 
+@dataclass
+class _DeviceCompaction:
+    """The epilogue GEMM's compaction in one launch (``fused.kept_order``): the kept rows first, their targets, and
+    ``summary`` (the kept count and the kept targets' range) on the device, with a host copy of that summary started
+    right behind it (``fused.read_later``), so reading it never waits for what is launched afterwards."""
+
+    order: torch.Tensor
+    targets: torch.Tensor
+    summary: torch.Tensor
+    read: Callable[[], list[int]]
+    vocab: int
+    ignore_index: int
+
+    @classmethod
+    def start(cls, fused, target: torch.Tensor, vocab: int, ignore_index: int) -> _DeviceCompaction:
+        order, targets, summary = fused.kept_order(target, ignore_index, vocab)
+        return cls(order, targets, summary, fused.read_later(summary), vocab, ignore_index)
+
+    def kept_count(self) -> int:
+        """The kept count, read on the host once the kept targets' range is checked (a ValueError)."""
+        n_kept, low, high = self.read()
+        _check_range(low, high, self.vocab, self.ignore_index)
+        return n_kept
+
+    def kept(self, n_kept: int, target: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """``kept_rows``'s result: the kept rows and their targets, or None and ``target`` when every row is kept."""
+        return (None, target) if n_kept == target.numel() else (self.order[:n_kept], self.targets[:n_kept])
+
+
 def kept_rows(
     target: torch.Tensor, vocab: int, ignore_index: int, compact: bool = True, fused=None
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -143,10 +172,8 @@ def kept_rows(
         check_target_range(target, vocab, ignore_index)
         return None, target
     if fused is not None:
-        order, kept, summary = fused.kept_order(target, ignore_index, vocab)
-        n_kept, low, high = summary.tolist()
-        _check_range(low, high, vocab, ignore_index)
-        return (None, target) if n_kept == n else (order[:n_kept], kept[:n_kept])
+        compaction = _DeviceCompaction.start(fused, target, vocab, ignore_index)
+        return compaction.kept(compaction.kept_count(), target)
     valid = target != ignore_index
     low, high = torch.aminmax(torch.where(valid, target, 0))
     n_kept, low, high = torch.stack((valid.sum(), low, high)).tolist()
@@ -488,8 +515,9 @@ def _statistics_without_sync(x, w_c, bias, target, plan: CallPlan, fused):
     """A no-grad call on the epilogue GEMM, whose host never waits before the GEMM's launch: the kept rows are moved
     first on the device (a fixed-size gather) and the GEMM reads their count from device memory. Prompt-masked rows
     still cost nothing but that gather. The targets' range is checked by one host read after the launches (a
-    ValueError, as everywhere), of a copy made right after the compaction: the call returns while the GEMM runs. None where this does not apply: a call whose partial statistics and gathered rows
-    exceed the budget (it takes the chunked path), or one that may not sync at all (graph capture, compilation)."""
+    ValueError, as everywhere), of a copy made right after the compaction: the call returns while the GEMM runs.
+    None where this does not apply: a call whose partial statistics and gathered rows exceed the budget (it takes the
+    chunked path), or one that may not sync at all (graph capture, compilation)."""
     n, vocab = x.shape[0], w_c.shape[0]
     if fused is None or n == 0 or not _can_compact():
         return None
@@ -499,17 +527,15 @@ def _statistics_without_sync(x, w_c, bias, target, plan: CallPlan, fused):
         return None
     ignore_index = plan.params.ignore_index
     # the kept rows first; the GEMM reads their count from summary[0], and rows past it are never computed
-    order, y_kept, summary = fused.kept_order(target, ignore_index, vocab)
-    # the host waits for this copy alone, not for the GEMM (it returns while the GEMM runs)
-    read_summary = fused.read_later(summary)
-    x_kept = compute_operand(x.index_select(0, order), plan)
-    stats, _ = fused.forward(x_kept, w_c, bias, y_kept, plan.params, False, summary)
+    compaction = _DeviceCompaction.start(fused, target, vocab, ignore_index)
+    x_kept = compute_operand(x.index_select(0, compaction.order), plan)
+    stats, _ = fused.forward(x_kept, w_c, bias, compaction.targets, plan.params, False, compaction.summary)
     if plan.prob_weighted:
         stats.loss = stats.loss * torch.exp(stats.logprob)
     # the mask only for outputs placed back per token (a scalar loss without stats needs none)
     valid = functools.cache(lambda: target != ignore_index)
     outputs = _outputs(stats, plan, lambda values: values.new_zeros(n).masked_scatter_(valid(), values))
-    _check_range(*read_summary()[1:], vocab, ignore_index)
+    compaction.kept_count()  # the range check, waiting for the compaction's copy alone
     return outputs
 
 
@@ -555,9 +581,8 @@ def _forward(x, weight, bias, target, plan: CallPlan, needs_input_grad) -> tuple
         chunk = _plan_rows(plan, n, vocab, per_logit, residual, accumulator, logits_16bit)
         deferred = chunk * vocab * per_logit <= plan.budget
     if deferred:
-        order, ys_in_order, summary = fused.kept_order(target, ignore_index, vocab)
-        read_summary = fused.read_later(summary)
-        rows, ys = order, ys_in_order
+        compaction = _DeviceCompaction.start(fused, target, vocab, ignore_index)
+        rows, ys = compaction.order, compaction.targets
     else:
         rows, ys = kept_rows(target, vocab, ignore_index, _can_compact(), fused)
     n_valid = ys.shape[0]
@@ -574,9 +599,8 @@ def _forward(x, weight, bias, target, plan: CallPlan, needs_input_grad) -> tuple
         """The deferred first chunk's rows that are kept, once the host has read the count; the rest is planned in
         chunks no larger than the first."""
         nonlocal rows, ys, n_valid, chunk, n_chunks
-        n_kept, low, high = read_summary()
-        _check_range(low, high, vocab, ignore_index)
-        rows, ys = (None, target) if n_kept == n else (order[:n_kept], ys_in_order[:n_kept])
+        n_kept = compaction.kept_count()
+        rows, ys = compaction.kept(n_kept, target)
         first, n_valid = chunk, n_kept
         rest = max(0, n_kept - first)
         n_rest = -(-rest // first)
@@ -615,7 +639,7 @@ def _forward(x, weight, bias, target, plan: CallPlan, needs_input_grad) -> tuple
             keep_logits,
             scaled,
             settle if first_deferred else None,
-            summary if first_deferred else None,
+            compaction.summary if first_deferred else None,
         )
         if first_deferred:
             end = start + stats.loss.shape[0]

@@ -4,6 +4,7 @@ reference and against the gradient pass it replaces (``HF_FLCE_SCALED_GRAD=0``),
 Without a GPU the kernels run in the Triton interpreter (conftest sets it).
 """
 
+import contextlib
 import os
 from unittest import mock
 
@@ -197,9 +198,10 @@ def test_fp16_keeps_the_gradient_pass(scaled_calls):
     assert scaled_calls["chunks"] == 0
 
 
-def _launches_and_reads(hidden, weight, target, **opts):
+def _launches_and_reads(hidden, weight, target, deferred=True, **opts):
     """``grads`` with the scaled gradient, recording in order each launch of the head GEMM and each time the host
-    reads the kept count; the compaction that reads it before any launch must not run."""
+    reads the kept count; with ``deferred``, the compaction that reads it before any launch (``kept_rows``) must not
+    run."""
     events = []
     real_launch, real_read_later = triton_gemm._launch_tuned, triton_gemm.read_later
 
@@ -216,10 +218,11 @@ def _launches_and_reads(hidden, weight, target, **opts):
 
         return recorded
 
+    forbidden = AssertionError("compaction read the count first")
     with (
         mock.patch.object(triton_gemm, "_launch_tuned", launch),
         mock.patch.object(triton_gemm, "read_later", read_later),
-        mock.patch.object(engine, "kept_rows", side_effect=AssertionError("compaction read the count first")),
+        mock.patch.object(engine, "kept_rows", side_effect=forbidden) if deferred else contextlib.nullcontext(),
     ):
         result = grads(hidden, weight, target, True, **opts)
     return events, result
@@ -269,10 +272,8 @@ def test_one_chunk_taken_for_the_accumulator_reads_the_count_first(scaled_calls)
     hidden, weight = hidden.bfloat16(), weight.bfloat16()
     row_bytes = v * triton_gemm.bytes_per_logit(v, params_for(v, stats=frozenset()))
     budget = int(n * row_bytes) - 4 * v * h // 2  # every row: over the budget, within budget + accumulator
-    with (
-        mock.patch.object(engine, "kept_rows", wraps=engine.kept_rows) as compaction,
-        mock.patch.object(triton_gemm, "read_later", side_effect=AssertionError("deferred")),
-    ):
-        grads(hidden, weight, target, True, memory_budget=budget)
+    with mock.patch.object(engine, "kept_rows", wraps=engine.kept_rows) as compaction:
+        events, _ = _launches_and_reads(hidden, weight, target, deferred=False, memory_budget=budget)
     assert compaction.called and scaled_calls["chunks"] == 1
+    assert events == ["read", "gemm"]
     assert_no_worse(hidden, weight, target, memory_budget=budget)
