@@ -829,6 +829,8 @@ def render_plots(data: dict[str, Any], path: Path) -> None:
     floors = {k: v.get("floor_ms") for k, v in data["floor"].items()}
     has_mem = any(_ok(r, "extra_bytes") for r in data["main"])
     panels = [bool(data["main"]), has_mem, bool(data["memory_vs_n"] or data["cpu_memory"])]
+    if not any(panels):  # e.g. only the pertoken or masked section: their tables carry it all
+        return
     fig, axes = new_figure(sum(panels), width=12)
     if fig is None or not axes:
         return

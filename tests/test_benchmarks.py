@@ -94,6 +94,16 @@ def test_kernel_benchmark_cpu(tmp_path: Path, capsys) -> None:
     assert (redo / "kernel.md").read_text() == (tmp_path / "kernel.md").read_text()
 
 
+def test_kernel_benchmark_one_section_without_plots(tmp_path: Path) -> None:
+    # the pertoken section alone has no plot panel: the run still writes its tables (it used to raise in matplotlib)
+    kernel = _load("benchmark_kernel")
+    argv = ["--device", "cpu", "--quick", "--sections", "pertoken", "--focus-shapes", "64x32x512"]
+    assert kernel.main(argv + ["--providers", "ours", "--threads", "1", "--out", str(tmp_path)]) == 0
+    assert _by_provider(json.loads((tmp_path / "kernel.json").read_text())["pertoken"])["ours"]["status"] == "ok"
+    assert "Per-token path" in (tmp_path / "kernel.md").read_text()
+    assert not (tmp_path / "kernel.png").exists()
+
+
 def test_training_benchmark_cpu(tmp_path: Path) -> None:
     training = _load("benchmark_training")
     argv = ["--device", "cpu", "--models", "tiny-llama", "--tokens", "128", "--seq", "64", "--steps", "1"]
