@@ -51,10 +51,16 @@ def _fp32_out(x: torch.Tensor) -> bool:
     return _HAS_MM_OUT_DTYPE and x.device.type == "cuda" and x.dtype in (torch.bfloat16, torch.float16)
 
 
-def mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` in float32. On CUDA, bf16/fp16 operands with a float32 output: nothing is rounded to 16 bits."""
+def mm_fp32(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor | None = None) -> torch.Tensor:
+    """``a @ b`` in float32, added into the float32 ``acc`` when given. On CUDA, bf16/fp16 operands with a float32
+    output: nothing is rounded to 16 bits. CPU torch has no such GEMM: a sum into ``acc`` upcasts the operands (summing
+    16-bit products would round each one), a new product is the 16-bit one upcast."""
     if _fp32_out(a):
-        return torch.mm(a, b, out_dtype=torch.float32)
+        if acc is None:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        return torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    if acc is not None:
+        return acc.addmm_(a.float(), b.float())
     return torch.mm(a, b).float()
 
 
@@ -78,12 +84,9 @@ def dw_product(grad_logits: torch.Tensor, x: torch.Tensor, acc: torch.Tensor | N
     """``grad_logits^T x`` in float32, added into ``acc`` when given (summing chunk products in bf16 biases
     training). Nothing is rounded to 16 bits: on CUDA the GEMM has a float32 output; CPU torch has none, so the
     operands are upcast there."""
-    if _fp32_out(x):
-        if acc is None:
-            return torch.mm(grad_logits.t(), x, out_dtype=torch.float32)
-        return torch.addmm(acc, grad_logits.t(), x, out_dtype=torch.float32, out=acc)
-    a, b = grad_logits.t().float(), x.float()
-    return torch.mm(a, b) if acc is None else acc.addmm_(a, b)
+    if acc is None and not _fp32_out(x):
+        return torch.mm(grad_logits.t().float(), x.float())
+    return mm_fp32(grad_logits.t(), x, acc)
 
 
 def _logits_16bit(plan: CallPlan, x: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -511,13 +514,14 @@ def _outputs(kept_stats: TileStats, plan: CallPlan, scatter) -> tuple[torch.Tens
     return (loss,) + tuple(scatter(getattr(kept_stats, name)) for name in _PER_TOKEN)
 
 
-def _statistics_without_sync(x, w_c, bias, target, plan: CallPlan, fused):
-    """A no-grad call on the epilogue GEMM, whose host never waits before the GEMM's launch: the kept rows are moved
-    first on the device (a fixed-size gather) and the GEMM reads their count from device memory. Prompt-masked rows
-    still cost nothing but that gather. The targets' range is checked by one host read after the launches (a
-    ValueError, as everywhere), of a copy made right after the compaction: the call returns while the GEMM runs.
-    None where this does not apply: a call whose partial statistics and gathered rows exceed the budget (it takes the
-    chunked path), or one that may not sync at all (graph capture, compilation)."""
+def _statistics_without_sync(x, w_c, bias, target, plan: CallPlan, fused, for_backward: bool = False):
+    """A forward that keeps no logits, on the epilogue GEMM, whose host never waits before the GEMM's launch: the kept
+    rows are moved first on the device (a fixed-size gather) and the GEMM reads their count from device memory.
+    Prompt-masked rows still cost nothing but that gather. The targets' range is checked by one host read after the
+    launches (a ValueError, as everywhere), of a copy made right after the compaction: the call returns while the
+    GEMM runs. The outputs, and with ``for_backward`` (a per-token loss whose backward recomputes) the state that
+    backward needs, else None. None where this does not apply: a call whose partial statistics and gathered rows
+    exceed the budget (it takes the chunked path), or one that may not sync at all (graph capture, compilation)."""
     n, vocab = x.shape[0], w_c.shape[0]
     if fused is None or n == 0 or not _can_compact():
         return None
@@ -535,8 +539,11 @@ def _statistics_without_sync(x, w_c, bias, target, plan: CallPlan, fused):
     # the mask only for outputs placed back per token (a scalar loss without stats needs none)
     valid = functools.cache(lambda: target != ignore_index)
     outputs = _outputs(stats, plan, lambda values: values.new_zeros(n).masked_scatter_(valid(), values))
-    compaction.kept_count()  # the range check, waiting for the compaction's copy alone
-    return outputs
+    n_kept = compaction.kept_count()  # the range check, waiting for the compaction's copy alone
+    if not for_backward:
+        return outputs, None
+    rows, _ = compaction.kept(n_kept, target)
+    return outputs, _ForwardState(None, None, rows, stats.lse[:n_kept], stats.entropy[:n_kept], None)
 
 
 def _forward(x, weight, bias, target, plan: CallPlan, needs_input_grad) -> tuple[tuple, _ForwardState | None]:
@@ -546,12 +553,22 @@ def _forward(x, weight, bias, target, plan: CallPlan, needs_input_grad) -> tuple
     need_grad = plan.grad_mode and any(needs_input_grad)
     w_c = compute_operand(weight, plan)
     fused = _fused_head(plan, x, w_c, bias)
-    if not need_grad:
-        outputs = _statistics_without_sync(x, w_c, bias, target, plan, fused)
-        if outputs is not None:
-            return outputs, None
-    ignore_index = plan.params.ignore_index
     eager = need_grad and plan.reduction == "scalar"
+    # A per-token loss whose logits cannot be kept, counting every row, recomputes them in backward: its forward is
+    # a no-grad one that also leaves the rows' lse and entropy. (A batch whose kept rows alone would fit then
+    # recomputes too: telling needs the host to wait for the compaction before the GEMM.)
+    recompute = (
+        need_grad
+        and not eager
+        and not plan.prob_weighted
+        and fused is not None
+        and n * vocab * fused.bytes_per_logit(vocab, plan.params) > _keep_limit(plan, x.device)
+    )
+    if not need_grad or recompute:
+        result = _statistics_without_sync(x, w_c, bias, target, plan, fused, for_backward=need_grad)
+        if result is not None:
+            return result
+    ignore_index = plan.params.ignore_index
     residual = _residual_dw(plan, x, weight) if eager else None
     # the gradient as E and row scales (no pass over the logits): not into an int8 residual, and on CUDA only where
     # mm_fp32 keeps E W in float32
@@ -767,6 +784,27 @@ def _recompute_grads(
     if kept is not None:
         chunk = max(n_valid, 1)
     n_chunks = max(1, -(-n_valid // chunk))
+    if fused is not None and kept is None and n_chunks > 1 and need_dw and fused.recompute_by_columns():
+        # the [rows, H] buffers of column chunks (a float32 dX, and the gathered rows of a compacted batch) against
+        # the dW accumulator of row chunks
+        gathered = x.shape[1] * w_c.element_size() if rows is not None or w_c.dtype != x.dtype else 0
+        if n_valid * (x.shape[1] * 4 + gathered) < accumulator:
+            return _recompute_by_columns(
+                x,
+                w_c,
+                weight.dtype,
+                bias,
+                rows,
+                ys,
+                lse_v,
+                ent_v,
+                plan,
+                fused,
+                (gl, glp, ge),
+                per_logit,
+                need_dx,
+                need_db,
+            )
     grads = _GradBuffers(n, x.dtype, w_c, weight.dtype, n_chunks, need_dx, need_dw, need_db, rows, residual)
     for start, end in _chunks(n_valid, chunk):
         x_chunk = _chunk_rows(x, rows, start, end, plan)
@@ -789,3 +827,47 @@ def _recompute_grads(
         grads.add(start, end, grad_out, x_chunk)
         del grad_out
     return grads.finish()
+
+
+def plan_chunk_columns(n_rows: int, vocab: int, bytes_per_logit: float, budget: int, align: int = 256) -> int:
+    """Columns per vocabulary chunk of ``n_rows`` rows: as many as ``budget`` bytes allow, balanced, and a multiple of
+    ``align`` (a GEMM column tile, so only the last chunk has a ragged tile), at least ``align``."""
+    per_column = max(1, int(n_rows * bytes_per_logit))
+    most = max(align, budget // per_column // align * align)
+    n_chunks = -(-vocab // most)
+    balanced = -(-vocab // n_chunks)
+    return -(-balanced // align) * align
+
+
+def _recompute_by_columns(
+    x, w_c, weight_dtype, bias, rows, ys, lse_v, ent_v, plan, fused, upstream, per_logit, need_dx, need_db
+):
+    """The recomputing backward over vocabulary chunks instead of row chunks. Each chunk's gradient ``[rows, C]``
+    (every kept row: their lse is known) gives dW's rows of that chunk in one GEMM over all rows, written once in the
+    weight's dtype; dX is summed over the chunks in float32. Row chunks would sum dW in a ``[V, H]`` float32
+    accumulator instead, read and written once per chunk: with rows < V this takes less memory and traffic, and dW is
+    rounded once, as one GEMM rounds it."""
+    n_valid, h = ys.shape[0], x.shape[1]
+    vocab = w_c.shape[0]
+    x_kept = _chunk_rows(x, rows, 0, n_valid, plan)
+    columns = plan_chunk_columns(n_valid, vocab, per_logit, plan.budget)
+    dx_acc = torch.zeros(n_valid, h, dtype=torch.float32, device=x.device) if need_dx else None
+    dw = torch.empty(w_c.shape, dtype=weight_dtype, device=w_c.device)
+    db = torch.empty(vocab, dtype=torch.float32, device=w_c.device) if need_db else None
+    for start, end in _chunks(vocab, columns):
+        w_cols = w_c[start:end]
+        b_cols = None if bias is None else bias[start:end]
+        grad = fused.recompute_gradient(
+            x_kept, w_cols, b_cols, ys, lse_v, ent_v, plan.params, *upstream, first_column=start
+        )
+        if dx_acc is not None:
+            mm_fp32(grad, w_cols, dx_acc)
+        if weight_dtype == grad.dtype:
+            torch.mm(grad.t(), x_kept, out=dw[start:end])
+        else:
+            dw[start:end] = mm_fp32(grad.t(), x_kept)
+        if db is not None:
+            db[start:end] = grad.sum(0, dtype=torch.float32)
+        del grad
+    dx = None if dx_acc is None else _scatter_rows(dx_acc.to(x.dtype), rows, x.shape[0])
+    return dx, dw, db

@@ -19,8 +19,9 @@
 7. ``host``: the host's share. Per shape, one no-grad call under torch.profiler: the logits GEMM kernel against one
    cuBLAS GEMM, and how long after the call's first kernel it started (the launches and the compaction sync before
    it, which an isolated call waits for). Then the host time per call at a shape whose GPU work is tiny.
-8. ``timeline``: one no-grad call and one fwd+bwd call under torch.profiler (host and GPU): every kernel's start and
-   duration from the moment the call was entered, and when the call returned: what an isolated call's time is made of.
+8. ``timeline``: one no-grad call, one fwd+bwd call and one per-token call under torch.profiler (host and GPU):
+   every kernel's start and duration from the moment the call was entered, and when the call returned: what an
+   isolated call's time is made of.
 9. ``scaled``: fwd+bwd with the scalar loss's gradient as E and row scales (``backends/triton_scaled.py``, the
    default) against the gradient pass over stored e (``HF_FLCE_SCALED_GRAD=0``), timed in turns, with each one's CUDA
    time per kernel.
@@ -35,6 +36,9 @@
    host gets there, so its time after the call's start event is the host time the GEMM waits for. Median of 25 calls,
    with the calls' own times. To compare two commits, run it from a checkout of each in turn (the host's speed varies
    between processes by up to 2x; alternate them and take several).
+13. ``columns``: the per-token path whose backward recomputes, with that backward in vocabulary chunks
+   (``HF_FLCE_VOCAB_CHUNKS=1``, the default) against row chunks (``=0``), timed in turns, with each one's CUDA time
+   per kernel and memory beyond the inputs and gradients.
 """
 
 from __future__ import annotations
@@ -436,6 +440,25 @@ def switch_ab(name: str, variable: str, whats: tuple[str, ...] = ("fwd_bwd",)) -
     return row
 
 
+def columns(name: str) -> dict:
+    """``switch_ab`` of the per-token path over ``HF_FLCE_VOCAB_CHUNKS``, plus each side's extra memory."""
+    row = switch_ab(name, "HF_FLCE_VOCAB_CHUNKS", ("pertoken",))
+    n, h, v = SHAPES[name]
+    x, w, y = inputs(n, h, v)
+    g = torch.randn(n, device="cuda")
+
+    def pertoken():
+        loss = hf_flce.fused_linear_cross_entropy(x, w, y, reduction="none", softcap=shape_softcap(name))
+        return torch.autograd.grad((loss * g).sum(), (x, w))
+
+    for label, switch in (("on", "1"), ("off", "0")):
+        row["pertoken"][f"extra_gib_{label}"] = _extra_gib(_with_env("HF_FLCE_VOCAB_CHUNKS", switch, pertoken))
+    print(
+        f"[columns] {name} extra GiB on {row['pertoken']['extra_gib_on']:.2f}, off {row['pertoken']['extra_gib_off']:.2f}"
+    )
+    return row
+
+
 def hopper(name: str) -> dict:
     """The warp-specialized logits GEMM against the Triton kernel and cuBLAS, and the engine with it on and off."""
     n, h, v = SHAPES[name]
@@ -507,12 +530,20 @@ def _call_inputs(name: str):
 
 
 def isolated_calls(name: str, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> dict:
-    """The shape's no-grad call and fwd+bwd call (gradients of ``x`` and ``w``) on these inputs."""
+    """The shape's no-grad call, fwd+bwd call and per-token call with a random upstream gradient (gradients of ``x``
+    and ``w``) on these inputs."""
     softcap = shape_softcap(name)
     xd, wd = x.detach(), w.detach()
+    g = torch.randn(x.shape[0], device=x.device)
+
+    def pertoken():
+        loss = hf_flce.fused_linear_cross_entropy(x, w, y, reduction="none", softcap=softcap)
+        return torch.autograd.grad((loss * g).sum(), (x, w))
+
     return {
         "no_grad": lambda: hf_flce.fused_linear_cross_entropy(xd, wd, y, softcap=softcap),
         "fwd_bwd": lambda: torch.autograd.grad(hf_flce.fused_linear_cross_entropy(x, w, y, softcap=softcap), (x, w)),
+        "pertoken": pertoken,
     }
 
 
@@ -766,6 +797,7 @@ def main() -> None:
         reference=[],
         power=[],
         enqueue=[],
+        columns=[],
     )
     for name in args.shapes.split(","):
         if "budget" in sections:
@@ -792,6 +824,8 @@ def main() -> None:
             result["power"] += power(name)
         if "enqueue" in sections:
             result["enqueue"].append(enqueue(name))
+        if "columns" in sections:
+            result["columns"].append(columns(name))
         torch.cuda.empty_cache()
     if "host" in sections:
         result["host"].append(host_per_call())

@@ -70,10 +70,18 @@ def half(hidden, weight, bias, dtype=torch.float16):
 @pytest.mark.parametrize("names", FUSABLE, ids=lambda c: "+".join(c) or "plain")
 @pytest.mark.parametrize(
     "reduction, budget, path",
-    [("mean", None, "eager"), ("mean", 8192, "eager"), ("none", None, "kept"), ("none", 8192, "recompute")],
-    ids=["mean", "mean-chunks", "none-kept", "none-recompute"],
+    [
+        ("mean", None, "eager"),
+        ("mean", 8192, "eager"),
+        ("none", None, "kept"),
+        ("none", 8192, "recompute-columns"),
+        ("none", 8192, "recompute-rows"),
+    ],
+    ids=["mean", "mean-chunks", "none-kept", "none-recompute-columns", "none-recompute-rows"],
 )
-def test_engine_paths(names, reduction, budget, path, fused_calls):
+def test_engine_paths(names, reduction, budget, path, fused_calls, monkeypatch):
+    if path == "recompute-rows":
+        monkeypatch.setenv("HF_FLCE_VOCAB_CHUNKS", "0")
     hidden, weight, target, bias, opts = build(names, n=60, v=300)
     check(
         *half(hidden, weight, bias)[:2],
@@ -88,7 +96,10 @@ def test_engine_paths(names, reduction, budget, path, fused_calls):
     )
     # a forward that keeps nothing for backward holds only the partial statistics: one chunk fits that budget
     assert fused_calls["forward"] >= (3 if budget and path == "eager" else 1)
-    if path == "recompute":
+    if path == "recompute-columns":
+        # 300 classes in chunks of 256 columns, every kept row in each
+        assert fused_calls["recompute_gradient"] == 2 and fused_calls["gradient"] == 0
+    elif path == "recompute-rows":
         assert fused_calls["recompute_gradient"] >= 3 and fused_calls["gradient"] == 0
     else:
         assert fused_calls["gradient"] >= 1 and fused_calls["recompute_gradient"] == 0
@@ -285,31 +296,65 @@ def test_no_grad_call_over_the_budget_takes_the_chunked_path(fused_calls):
     assert_close(loss, ref, TOL, "loss")
 
 
+@pytest.mark.parametrize("columns", ["1", "0"], ids=["column-chunks", "row-chunks"])
+def test_per_token_forward_that_will_recompute_reads_nothing_before_the_gemm(columns, fused_calls, monkeypatch):
+    """A per-token loss whose logits will not be kept takes the no-grad forward (kept rows first on the device, the
+    count read by the GEMM) and leaves the kept rows' lse and entropy for the recomputing backward."""
+    monkeypatch.setenv("HF_FLCE_VOCAB_CHUNKS", columns)
+    hidden, weight, target, bias, opts = build(("z_loss", "bias"), n=200, v=600, ignore_every=4)
+    target[20:53] = -100  # a masked prompt
+    h, w, b = half(hidden, weight, bias)
+    with mock.patch.object(engine, "kept_rows", side_effect=AssertionError("synced before the GEMM")) as compaction:
+        check(
+            h,
+            w,
+            target,
+            b,
+            tol=TOL,
+            grad_tol=GRAD_TOL,
+            stat_grads=True,
+            reduction="none",
+            memory_budget=100_000,
+            **opts,
+        )
+    assert fused_calls["forward"] == 1 and fused_calls["recompute_gradient"] >= 2
+    # the backward reads the count its forward left, and never compacts again
+    assert not compaction.called
+
+
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="host synchronisations are a CUDA notion")
-@pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "scalar-loss"])
-def test_call_returns_while_the_head_gemm_runs(grad):
-    """Neither a no-grad call nor a scalar loss's forward synchronises the stream: the host reads the kept count and
-    the targets' range from a copy made right after the compaction, and returns with the GEMMs still running."""
+@pytest.mark.parametrize(
+    "grad, reduction, budget",
+    [(False, "mean", None), (True, "mean", None), (True, "none", 64 << 20)],
+    ids=["no-grad", "scalar-loss", "per-token-recompute"],
+)
+def test_call_returns_while_the_head_gemm_runs(grad, reduction, budget):
+    """Neither a no-grad call nor the forward of a scalar loss or of a per-token loss that will recompute synchronises
+    the stream: the host reads the kept count and the targets' range from a copy made right after the compaction, and
+    returns with the GEMMs still running."""
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     n, h, v = 4096, 4096, 32768  # ~1 ms of GEMM per chunk on an H100/H200, ~50 us of host work after the read
     hidden = torch.randn(n, h, device=DEVICE, generator=gen, dtype=torch.bfloat16).requires_grad_(grad)
     weight = (torch.randn(v, h, device=DEVICE, generator=gen) * 0.02).bfloat16().requires_grad_(grad)
     target = torch.randint(0, v, (n,), device=DEVICE, generator=gen)
     target[::7] = -100
+    opts = dict(backend="triton", reduction=reduction, memory_budget=budget)
     with torch.set_grad_enabled(grad):
-        hf_flce.fused_linear_cross_entropy(hidden, weight, target, backend="triton")  # compiles
+        hf_flce.fused_linear_cross_entropy(hidden, weight, target, **opts)  # compiles
         torch.cuda.synchronize()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
             try:
-                loss = hf_flce.fused_linear_cross_entropy(hidden, weight, target, backend="triton")
+                loss = hf_flce.fused_linear_cross_entropy(hidden, weight, target, **opts)
                 still_running = not torch.cuda.current_stream().query()
             finally:
                 torch.cuda.set_sync_debug_mode("default")
     assert not [c for c in caught if "called a synchronizing" in str(c.message)]
     assert still_running
-    ref, _ = hf_flce.reference_linear_cross_entropy(hidden.detach().float(), weight.detach().float(), target)
+    ref, _ = hf_flce.reference_linear_cross_entropy(
+        hidden.detach().float(), weight.detach().float(), target, reduction=reduction
+    )
     assert_close(loss.detach(), ref, 1e-3, "loss")
 
 
@@ -330,6 +375,50 @@ def test_inputs_on_a_device_that_is_not_the_current_one(grad):
         wrong[5] = 4000
         with pytest.raises(ValueError, match="target contains 4000"):
             hf_flce.fused_linear_cross_entropy(h, w, wrong, backend="triton")
+
+
+@pytest.mark.parametrize(
+    "names",
+    [("smoothing", "z_loss", "temperature", "bias"), ("softcap", "z_loss", "temperature", "bias")],
+    ids="+".join,
+)
+@pytest.mark.parametrize("ignore_every", [0, 4], ids=["all-kept", "compacted"])
+def test_recompute_by_vocabulary_chunks(names, ignore_every, fused_calls):
+    """777 classes in column chunks of 256 (the last one 9 wide), with targets on every chunk's edges: the per-token
+    gradients against the float64 reference."""
+    hidden, weight, target, bias, opts = build(names, n=70, v=777, ignore_every=ignore_every)
+    edges = torch.tensor([0, 255, 256, 511, 512, 767, 768, 776], device=target.device)
+    target[1 : 2 * len(edges) : 2] = edges
+    h, w, b = half(hidden, weight, bias)
+    check(h, w, target, b, tol=TOL, grad_tol=GRAD_TOL, stat_grads=True, reduction="none", memory_budget=8192, **opts)
+    assert fused_calls["recompute_gradient"] == 4
+
+
+def test_recompute_by_vocabulary_chunks_under_autocast(fused_calls):
+    """float32 inputs under bf16 autocast: the chunks' dW rows come back in float32, and dX too."""
+    hidden, weight, target, _, _ = build((), n=60, v=600)
+    x, w = (t.clone().requires_grad_() for t in (hidden, weight))
+    upstream = torch.randn(target.shape, generator=torch.Generator().manual_seed(3)).to(target.device)
+    with torch.autocast(x.device.type, dtype=torch.bfloat16):
+        loss = hf_flce.fused_linear_cross_entropy(x, w, target, backend="triton", reduction="none", memory_budget=1024)
+    (loss * upstream).sum().backward()
+    assert fused_calls["recompute_gradient"] == 3
+    assert x.grad.dtype == torch.float32 and w.grad.dtype == torch.float32
+    rx, rw = (t.detach().bfloat16().double().requires_grad_() for t in (hidden, weight))
+    ref, _ = hf_flce.reference_linear_cross_entropy(rx, rw, target, reduction="none")
+    (ref * upstream.double()).sum().backward()
+    assert_close(x.grad, rx.grad, 3e-2, "dX")
+    assert_close(w.grad, rw.grad, 3e-2, "dW")
+
+
+def test_plan_chunk_columns():
+    for n_rows, vocab, budget in [(70, 777, 8192), (16384, 151936, 1 << 30), (8192, 128256, 1 << 30), (1, 5, 1)]:
+        columns = engine.plan_chunk_columns(n_rows, vocab, 2, budget)
+        chunks = -(-vocab // columns)
+        assert columns % 256 == 0 and columns >= 256
+        assert n_rows * columns * 2 <= budget or columns == 256
+        # balanced: no chunk of more than one column tile fewer than the others, but the last
+        assert chunks == 1 or vocab - (chunks - 1) * columns > columns - 256 * chunks
 
 
 def test_prob_weighted_and_second_backward(fused_calls):

@@ -277,6 +277,7 @@ def _head_gemm_kernel(
     z_loss,
     ref_offset,
     group_rows,
+    col_offset,
     MODE: tl.constexpr,
     ROWS_ON_DEVICE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -407,7 +408,8 @@ def _head_gemm_kernel(
                 )
                 # ignored rows: exp(-inf) = 0, so nothing overflows against their placeholder lse
                 p = fast_exp(tl.where(valid[:, None], t - lse[:, None], float("-inf")))
-                is_y = cols[None, :] == y[:, None]
+                # ``col_offset``: W holds the head's rows from there (a vocabulary chunk), so y is shifted into it
+                is_y = cols[None, :] == tl.where(valid, y - col_offset, -1)[:, None]
                 g = logit_grad(p, t, is_y, p_coef, onehot_coef, g_entropy, HAS_GE) - smooth_coef
                 if HAS_SOFTCAP or HAS_TEMPERATURE:
                     g *= dt
@@ -966,6 +968,12 @@ def _split_epilogue() -> bool:
     return os.environ.get("HF_FLCE_SPLIT_EPILOGUE", "1") != "0"
 
 
+def recompute_by_columns() -> bool:
+    """Whether a recomputing backward may walk the vocabulary in column chunks (``engine._recompute_by_columns``);
+    ``HF_FLCE_VOCAB_CHUNKS=0`` keeps row chunks (for A/B measurements)."""
+    return os.environ.get("HF_FLCE_VOCAB_CHUNKS", "1") != "0"
+
+
 def _gemm(
     x,
     weight,
@@ -982,8 +990,12 @@ def _gemm(
     rows_on_device=None,
     t_y=None,
     fixed_ref=False,
+    first_column=0,
 ):
+    """``weight`` (and ``bias``) may hold the head's rows from ``first_column`` on (MODE_GRAD only): the output's
+    columns are theirs, while the statistics' constants still come from the whole vocabulary (``params.vocab``)."""
     n, k = x.shape
+    columns = weight.shape[0]
     use_tma = _tma_usable(x, weight)
     if use_tma:
         # device-side tensor descriptors live in scratch memory that Triton asks its allocator for
@@ -993,7 +1005,7 @@ def _gemm(
     split = mode == MODE_SCALED and fixed_ref and _split_epilogue()
 
     def grid(meta):
-        return (min(programs, triton.cdiv(n, meta["BM"]) * triton.cdiv(params.vocab, meta["BN"])),)
+        return (min(programs, triton.cdiv(n, meta["BM"]) * triton.cdiv(columns, meta["BN"])),)
 
     args = (
         x,
@@ -1012,7 +1024,7 @@ def _gemm(
         *_vectors(upstream, spare),
         spare if rows_on_device is None else rows_on_device,
         n,
-        params.vocab,
+        columns,
         k,
         params.ignore_index,
         *transform_args(params),
@@ -1021,6 +1033,7 @@ def _gemm(
         params.z_loss,
         triton_scaled.REF_OFFSET,
         L2_GROUP_BYTES // (k * x.element_size()),
+        first_column,
     )
     flags = dict(
         MODE=mode,
@@ -1037,7 +1050,7 @@ def _gemm(
         FIXED_REF=fixed_ref,
         SPLIT=split,
     )
-    tuned_key = (params.vocab, k, mode, use_tma, fixed_ref, tuple(a.dtype for a in args if isinstance(a, torch.Tensor)))
+    tuned_key = (columns, k, mode, use_tma, fixed_ref, tuple(a.dtype for a in args if isinstance(a, torch.Tensor)))
     return _launch_tuned(grid, args, flags, tuned_key)
 
 
@@ -1273,10 +1286,15 @@ def recompute_gradient(
     grad_loss: torch.Tensor | None = None,
     grad_logprob: torch.Tensor | None = None,
     grad_entropy: torch.Tensor | None = None,
+    first_column: int = 0,
 ) -> torch.Tensor:
-    """The logits gradient ``[rows, V]`` in ``x``'s dtype straight from the GEMM's epilogue (lse known)."""
+    """The logits gradient in ``x``'s dtype straight from the GEMM's epilogue (lse known): ``[rows, V]``, or with
+    ``weight`` (and ``bias``) the head's rows ``first_column:first_column + C`` (a vocabulary chunk), those ``C``
+    columns of it."""
     n = x.shape[0]
-    out = torch.empty(n, params.vocab, dtype=x.dtype, device=x.device)
+    if weight.shape[0] + first_column > params.vocab:
+        raise ValueError(f"columns {first_column}:{first_column + weight.shape[0]} pass the vocabulary {params.vocab}")
+    out = torch.empty(n, weight.shape[0], dtype=x.dtype, device=x.device)
     if n:
         with TritonTileOps._device_guard(x.device):
             _gemm(
@@ -1292,5 +1310,6 @@ def recompute_gradient(
                 lse,
                 entropy,
                 (grad_loss, grad_logprob, grad_entropy),
+                first_column=first_column,
             )
     return out
