@@ -784,9 +784,11 @@ def _recompute_grads(
     if kept is not None:
         chunk = max(n_valid, 1)
     n_chunks = max(1, -(-n_valid // chunk))
-    if fused is not None and kept is None and n_chunks > 1 and need_dw and fused.recompute_by_columns():
-        # the [rows, H] buffers of column chunks (a float32 dX, and the gathered rows of a compacted batch) against
-        # the dW accumulator of row chunks
+    over_budget = n_valid * weight.shape[0] * per_logit > plan.budget
+    if fused is not None and kept is None and over_budget and need_dw and fused.recompute_by_columns():
+        # Past the budget, row chunks sum dW in a [V, H] float32 accumulator, or take every row at once where that
+        # costs less than the accumulator. Column chunks stay within the budget, with [rows, H] buffers (a float32
+        # dX, and the gathered rows of a compacted batch) and no pass over an accumulator.
         gathered = x.shape[1] * w_c.element_size() if rows is not None or w_c.dtype != x.dtype else 0
         if n_valid * (x.shape[1] * 4 + gathered) < accumulator:
             return _recompute_by_columns(

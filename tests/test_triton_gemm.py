@@ -394,6 +394,16 @@ def test_recompute_by_vocabulary_chunks(names, ignore_every, fused_calls):
     assert fused_calls["recompute_gradient"] == 4
 
 
+def test_recompute_past_the_budget_takes_column_chunks_where_rows_took_one_chunk(fused_calls):
+    """48 kept rows of 300 classes: their fp16 gradient (28.8 kB) passes the 16 kB budget, but costs less than the
+    budget plus a float32 dW accumulator (19.2 kB), so row chunks would take all rows at once; column chunks keep
+    within the budget."""
+    hidden, weight, target, bias, opts = build(("smoothing", "bias"), n=60, v=300)
+    h, w, b = half(hidden, weight, bias)
+    check(h, w, target, b, tol=TOL, grad_tol=GRAD_TOL, stat_grads=True, reduction="none", memory_budget=16384, **opts)
+    assert fused_calls["recompute_gradient"] == 2
+
+
 def test_recompute_by_vocabulary_chunks_under_autocast(fused_calls):
     """float32 inputs under bf16 autocast: the chunks' dW rows come back in float32, and dX too."""
     hidden, weight, target, _, _ = build((), n=60, v=600)
