@@ -554,15 +554,16 @@ def _forward(x, weight, bias, target, plan: CallPlan, needs_input_grad) -> tuple
     w_c = compute_operand(weight, plan)
     fused = _fused_head(plan, x, w_c, bias)
     eager = need_grad and plan.reduction == "scalar"
-    # A per-token loss whose logits cannot be kept, counting every row, recomputes them in backward: its forward is
-    # a no-grad one that also leaves the rows' lse and entropy. (A batch whose kept rows alone would fit then
-    # recomputes too: telling needs the host to wait for the compaction before the GEMM.)
+    # A per-token loss whose logits will not be kept recomputes them in backward: its forward is a no-grad one that
+    # also leaves the rows' lse and entropy, with no host wait before the GEMM. Whether the kept rows' logits fit is
+    # known only once the host has read their count, so that wait stays where they would fit with half the rows
+    # masked (prompt masking often is about that): a recompute costs a GEMM, more than the wait.
     recompute = (
         need_grad
         and not eager
         and not plan.prob_weighted
         and fused is not None
-        and n * vocab * fused.bytes_per_logit(vocab, plan.params) > _keep_limit(plan, x.device)
+        and n * vocab * fused.bytes_per_logit(vocab, plan.params) > 2 * _keep_limit(plan, x.device)
     )
     if not need_grad or recompute:
         result = _statistics_without_sync(x, w_c, bias, target, plan, fused, for_backward=need_grad)

@@ -322,6 +322,26 @@ def test_per_token_forward_that_will_recompute_reads_nothing_before_the_gemm(col
     assert not compaction.called
 
 
+@pytest.mark.parametrize("share, path", [(0.6, "kept"), (0.45, "recompute")])
+def test_per_token_reads_the_count_first_where_half_masked_rows_would_fit(share, path, fused_calls):
+    """A budget of ``share`` times every row's kept logits: they pass it, and the 20 kept rows' (a third) fit it.
+    Within twice the budget the host reads the kept count before the GEMM and keeps their logits; past it the forward
+    does not wait, and backward recomputes."""
+    hidden, weight, target, bias, opts = build(("z_loss",), n=60, v=300)
+    target[:36] = -100
+    assert int((target != -100).sum()) == 20
+    budget = int(share * 60 * 300 * triton_gemm.bytes_per_logit(300, params_for(300)))
+    h, w, b = half(hidden, weight, bias)
+    with mock.patch.object(engine, "kept_rows", wraps=engine.kept_rows) as compaction:
+        check(
+            h, w, target, b, tol=TOL, grad_tol=GRAD_TOL, stat_grads=True, reduction="none", memory_budget=budget, **opts
+        )
+    if path == "kept":
+        assert compaction.called and fused_calls["gradient"] == 1 and fused_calls["recompute_gradient"] == 0
+    else:
+        assert not compaction.called and fused_calls["gradient"] == 0 and fused_calls["recompute_gradient"] >= 1
+
+
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="host synchronisations are a CUDA notion")
 @pytest.mark.parametrize(
     "grad, reduction, budget",
