@@ -394,22 +394,8 @@ def switch_ab(name: str, variable: str, whats: tuple[str, ...] = ("fwd_bwd",)) -
     timed in turns: ms of each, ``on ÷ off`` and ``÷`` the floor (fwd_bwd, pertoken) or one GEMM (no_grad), and
     each one's CUDA time per kernel. ``scaled``: ``HF_FLCE_SCALED_GRAD``; ``reference``: ``HF_FLCE_ROW_REFERENCE``."""
     n, h, v = SHAPES[name]
-    softcap = shape_softcap(name)
     x, w, y = inputs(n, h, v)
-    g = torch.randn(n, device="cuda")
-
-    def fwd_bwd():
-        return torch.autograd.grad(hf_flce.fused_linear_cross_entropy(x, w, y, softcap=softcap), (x, w))
-
-    def no_grad():
-        with torch.no_grad():
-            return hf_flce.fused_linear_cross_entropy(x, w, y, softcap=softcap)
-
-    def pertoken():
-        loss = hf_flce.fused_linear_cross_entropy(x, w, y, reduction="none", softcap=softcap)
-        return torch.autograd.grad((loss * g).sum(), (x, w))
-
-    fns = dict(fwd_bwd=fwd_bwd, no_grad=no_grad, pertoken=pertoken)
+    fns = isolated_calls(name, x, w, y)
     xd, wd = x.detach(), w.detach()
     row = dict(shape=name, variable=variable, floor_ms=floor_ms(n, h, v), gemm_ms=timed(lambda: torch.mm(xd, wd.T)))
     for what in whats:
@@ -443,14 +429,7 @@ def switch_ab(name: str, variable: str, whats: tuple[str, ...] = ("fwd_bwd",)) -
 def columns(name: str) -> dict:
     """``switch_ab`` of the per-token path over ``HF_FLCE_VOCAB_CHUNKS``, plus each side's extra memory."""
     row = switch_ab(name, "HF_FLCE_VOCAB_CHUNKS", ("pertoken",))
-    n, h, v = SHAPES[name]
-    x, w, y = inputs(n, h, v)
-    g = torch.randn(n, device="cuda")
-
-    def pertoken():
-        loss = hf_flce.fused_linear_cross_entropy(x, w, y, reduction="none", softcap=shape_softcap(name))
-        return torch.autograd.grad((loss * g).sum(), (x, w))
-
+    pertoken = isolated_calls(name, *inputs(*SHAPES[name]))["pertoken"]
     for label, switch in (("on", "1"), ("off", "0")):
         row["pertoken"][f"extra_gib_{label}"] = _extra_gib(_with_env("HF_FLCE_VOCAB_CHUNKS", switch, pertoken))
     print(
