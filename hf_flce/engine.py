@@ -208,6 +208,27 @@ def _keep_limit(plan: CallPlan, device: torch.device) -> int:
     return max(plan.budget, backend_limit(device)) if backend_limit is not None else plan.budget
 
 
+def _column_buffers_fit(plan: CallPlan, n_rows: int, x, w_c, weight, gathered: bool, need_dw: bool) -> bool:
+    """Whether a recomputing backward over vocabulary chunks (``_recompute_by_columns``) costs less memory than row
+    chunks: its ``[rows, H]`` buffers (a float32 dX, and the gathered rows of a compacted batch or a cast weight's
+    dtype) against the dW accumulator that row chunks sum into, or without dW against the budget."""
+    row_bytes = x.shape[1] * (4 + (w_c.element_size() if gathered or w_c.dtype != x.dtype else 0))
+    limit = _accumulator_bytes(_residual_dw(plan, x, weight), weight, True) if need_dw else plan.budget
+    return n_rows * row_bytes < limit
+
+
+def _kept_columns(plan: CallPlan, fused, n_rows: int, x, w_c, weight, need_dw: bool) -> int | None:
+    """How many leading vocabulary columns a per-token loss whose logits pass the keep limit keeps (as the epilogue's
+    16-bit e) from forward to backward for ``n_rows`` rows, its backward recomputing only the others, by vocabulary
+    chunks: as many whole ``fused.KEEP_ALIGN`` blocks as the limit holds. None where none fits or the backward would
+    not walk the vocabulary. The kept columns cost their share of a GEMM less in backward, for a pass over them."""
+    align = fused.KEEP_ALIGN
+    columns = _keep_limit(plan, x.device) // max(1, n_rows * 2) // align * align
+    if not 0 < columns < w_c.shape[0] or not fused.recompute_by_columns():
+        return None
+    return columns if _column_buffers_fit(plan, n_rows, x, w_c, weight, True, need_dw) else None
+
+
 def _chunks(n: int, size: int):
     for start in range(0, n, size):
         yield start, min(start + size, n)
@@ -419,17 +440,27 @@ def _chunk_forward(
     scaled: bool = False,
     settle: Callable[[], int] | None = None,
     rows_on_device: torch.Tensor | None = None,
+    keep_columns: int | None = None,
 ):
     """One chunk: its row statistics, the detached target probability (DFT only), for a scalar loss the logits
     gradient times ``grad_scale()`` (one value per row, asked for once the logits GEMM is launched; with ``scaled``
     as the epilogue path's ``ScaledGradient``), and with ``keep`` what the per-token backward reuses.
     ``settle`` (a scaled gradient's first chunk, launched before the host knows how many rows are kept, with the GEMM
     reading that count from ``rows_on_device``): called once the GEMM is launched, it returns how many of the
-    chunk's leading rows count, and the results are cut to them."""
+    chunk's leading rows count, and the results are cut to them. ``keep_columns`` (with ``keep``): only the leading
+    columns' e is kept."""
     n_rows = x_chunk.shape[0]
     if fused is not None:
         stats, kept = fused.forward(
-            x_chunk, w_c, bias, ys, plan.params, keep=eager or keep, rows_on_device=rows_on_device, scaled=scaled
+            x_chunk,
+            w_c,
+            bias,
+            ys,
+            plan.params,
+            keep=eager or keep,
+            rows_on_device=rows_on_device,
+            scaled=scaled,
+            keep_columns=keep_columns,
         )
         if settle is not None:
             n_rows = settle()
@@ -514,13 +545,16 @@ def _outputs(kept_stats: TileStats, plan: CallPlan, scatter) -> tuple[torch.Tens
     return (loss,) + tuple(scatter(getattr(kept_stats, name)) for name in _PER_TOKEN)
 
 
-def _statistics_without_sync(x, w_c, bias, target, plan: CallPlan, fused, for_backward: bool = False):
+def _statistics_without_sync(
+    x, w_c, bias, target, plan: CallPlan, fused, for_backward: bool = False, keep_columns: int | None = None
+):
     """A forward that keeps no logits, on the epilogue GEMM, whose host never waits before the GEMM's launch: the kept
     rows are moved first on the device (a fixed-size gather) and the GEMM reads their count from device memory.
     Prompt-masked rows still cost nothing but that gather. The targets' range is checked by one host read after the
     launches (a ValueError, as everywhere), of a copy made right after the compaction: the call returns while the
     GEMM runs. The outputs, and with ``for_backward`` (a per-token loss whose backward recomputes) the state that
-    backward needs, else None. None where this does not apply: a call whose partial statistics and gathered rows
+    backward needs, else None; with ``keep_columns``, that state keeps e for those leading columns (sized for every
+    row, since the kept count is not known before the GEMM). None where this does not apply: a call whose partial statistics and gathered rows
     exceed the budget (it takes the chunked path), or one that may not sync at all (graph capture, compilation)."""
     n, vocab = x.shape[0], w_c.shape[0]
     if fused is None or n == 0 or not _can_compact():
@@ -533,7 +567,17 @@ def _statistics_without_sync(x, w_c, bias, target, plan: CallPlan, fused, for_ba
     # the kept rows first; the GEMM reads their count from summary[0], and rows past it are never computed
     compaction = _DeviceCompaction.start(fused, target, vocab, ignore_index)
     x_kept = compute_operand(x.index_select(0, compaction.order), plan)
-    stats, _ = fused.forward(x_kept, w_c, bias, compaction.targets, plan.params, False, compaction.summary)
+    keep = for_backward and keep_columns is not None
+    stats, kept = fused.forward(
+        x_kept,
+        w_c,
+        bias,
+        compaction.targets,
+        plan.params,
+        keep,
+        compaction.summary,
+        keep_columns=keep_columns if keep else None,
+    )
     if plan.prob_weighted:
         stats.loss = stats.loss * torch.exp(stats.logprob)
     # the mask only for outputs placed back per token (a scalar loss without stats needs none)
@@ -543,7 +587,8 @@ def _statistics_without_sync(x, w_c, bias, target, plan: CallPlan, fused, for_ba
     if not for_backward:
         return outputs, None
     rows, _ = compaction.kept(n_kept, target)
-    return outputs, _ForwardState(None, None, rows, stats.lse[:n_kept], stats.entropy[:n_kept], None)
+    kept = None if kept is None else kept.head(n_kept)
+    return outputs, _ForwardState(None, None, rows, stats.lse[:n_kept], stats.entropy[:n_kept], kept)
 
 
 def _forward(x, weight, bias, target, plan: CallPlan, needs_input_grad) -> tuple[tuple, _ForwardState | None]:
@@ -566,7 +611,8 @@ def _forward(x, weight, bias, target, plan: CallPlan, needs_input_grad) -> tuple
         and n * vocab * fused.bytes_per_logit(vocab, plan.params) > 2 * _keep_limit(plan, x.device)
     )
     if not need_grad or recompute:
-        result = _statistics_without_sync(x, w_c, bias, target, plan, fused, for_backward=need_grad)
+        keep_columns = _kept_columns(plan, fused, n, x, w_c, weight, need_dw) if need_grad else None
+        result = _statistics_without_sync(x, w_c, bias, target, plan, fused, need_grad, keep_columns)
         if result is not None:
             return result
     ignore_index = plan.params.ignore_index
@@ -612,6 +658,10 @@ def _forward(x, weight, bias, target, plan: CallPlan, needs_input_grad) -> tuple
     )
     if keep_logits:
         chunk, n_chunks = n_valid, 1
+    # a per-token loss whose logits pass the keep limit keeps what fits of them, by leading columns, in one chunk
+    keep_columns = None
+    if need_grad and not eager and not keep_logits and n_chunks == 1 and fused is not None and not plan.prob_weighted:
+        keep_columns = _kept_columns(plan, fused, n_valid, x, w_c, weight, need_dw)
 
     def settle() -> int:
         """The deferred first chunk's rows that are kept, once the host has read the count; the rest is planned in
@@ -654,10 +704,11 @@ def _forward(x, weight, bias, target, plan: CallPlan, needs_input_grad) -> tuple
             fused,
             grad_scale,
             eager,
-            keep_logits,
+            keep_logits or keep_columns is not None,
             scaled,
             settle if first_deferred else None,
             compaction.summary if first_deferred else None,
+            keep_columns,
         )
         if first_deferred:
             end = start + stats.loss.shape[0]
@@ -669,7 +720,7 @@ def _forward(x, weight, bias, target, plan: CallPlan, needs_input_grad) -> tuple
                 if grads is None:
                     grads = new_grads()
                 grads.add(start, end, grad_out, x_chunk)
-            elif keep_logits:
+            elif keep_logits or keep_columns is not None:
                 kept = kept_chunk
         # the next chunk's buffers must not be allocated while this chunk's are still referenced
         del grad_out, kept_chunk
@@ -786,28 +837,36 @@ def _recompute_grads(
         chunk = max(n_valid, 1)
     n_chunks = max(1, -(-n_valid // chunk))
     over_budget = n_valid * weight.shape[0] * per_logit > plan.budget
-    if fused is not None and kept is None and over_budget and need_dw and fused.recompute_by_columns():
-        # Past the budget, row chunks sum dW in a [V, H] float32 accumulator, or take every row at once where that
-        # costs less than the accumulator. Column chunks stay within the budget, with [rows, H] buffers (a float32
-        # dX, and the gathered rows of a compacted batch) and no pass over an accumulator.
-        gathered = x.shape[1] * w_c.element_size() if rows is not None or w_c.dtype != x.dtype else 0
-        if n_valid * (x.shape[1] * 4 + gathered) < accumulator:
-            return _recompute_by_columns(
-                x,
-                w_c,
-                weight.dtype,
-                bias,
-                rows,
-                ys,
-                lse_v,
-                ent_v,
-                plan,
-                fused,
-                (gl, glp, ge),
-                per_logit,
-                need_dx,
-                need_db,
-            )
+    # Past the budget, row chunks sum dW in a [V, H] float32 accumulator, or take every row at once where that costs
+    # less than the accumulator. Column chunks stay within the budget, with [rows, H] buffers (a float32 dX, and the
+    # gathered rows of a compacted batch) and no pass over an accumulator. A forward that kept the leading columns
+    # (``_kept_columns``) chose them already.
+    partly_kept = kept is not None and not isinstance(kept, torch.Tensor) and kept.e.shape[1] < weight.shape[0]
+    by_columns = (
+        fused is not None
+        and kept is None
+        and over_budget
+        and need_dw
+        and fused.recompute_by_columns()
+        and _column_buffers_fit(plan, n_valid, x, w_c, weight, rows is not None, need_dw)
+    )
+    if partly_kept or by_columns:
+        return _recompute_by_columns(
+            x,
+            w_c,
+            weight.dtype,
+            bias,
+            rows,
+            ys,
+            lse_v,
+            ent_v,
+            plan,
+            fused,
+            (gl, glp, ge),
+            per_logit,
+            (need_dx, need_dw, need_db),
+            kept,
+        )
     grads = _GradBuffers(n, x.dtype, w_c, weight.dtype, n_chunks, need_dx, need_dw, need_db, rows, residual)
     for start, end in _chunks(n_valid, chunk):
         x_chunk = _chunk_rows(x, rows, start, end, plan)
@@ -843,34 +902,51 @@ def plan_chunk_columns(n_rows: int, vocab: int, bytes_per_logit: float, budget: 
 
 
 def _recompute_by_columns(
-    x, w_c, weight_dtype, bias, rows, ys, lse_v, ent_v, plan, fused, upstream, per_logit, need_dx, need_db
+    x, w_c, weight_dtype, bias, rows, ys, lse_v, ent_v, plan, fused, upstream, per_logit, needs, kept=None
 ):
     """The recomputing backward over vocabulary chunks instead of row chunks. Each chunk's gradient ``[rows, C]``
     (every kept row: their lse is known) gives dW's rows of that chunk in one GEMM over all rows, written once in the
     weight's dtype; dX is summed over the chunks in float32. Row chunks would sum dW in a ``[V, H]`` float32
     accumulator instead, read and written once per chunk: with rows < V this takes less memory and traffic, and dW is
-    rounded once, as one GEMM rounds it."""
-    n_valid, h = ys.shape[0], x.shape[1]
+    rounded once, as one GEMM rounds it. ``kept`` (the forward's e for the leading columns, ``_kept_columns``) gives
+    the first chunk's gradient by a pass over it, freed before the GEMMs recompute the others."""
+    need_dx, need_dw, need_db = needs
+    n_valid = ys.shape[0]
     vocab = w_c.shape[0]
     x_kept = _chunk_rows(x, rows, 0, n_valid, plan)
-    columns = plan_chunk_columns(n_valid, vocab, per_logit, plan.budget)
-    dx_acc = torch.zeros(n_valid, h, dtype=torch.float32, device=x.device) if need_dx else None
-    dw = torch.empty(w_c.shape, dtype=weight_dtype, device=w_c.device)
+    dx_acc = None
+    dw = torch.empty(w_c.shape, dtype=weight_dtype, device=w_c.device) if need_dw else None
     db = torch.empty(vocab, dtype=torch.float32, device=w_c.device) if need_db else None
-    for start, end in _chunks(vocab, columns):
+
+    def add(start: int, end: int, grad: torch.Tensor) -> None:
+        nonlocal dx_acc
         w_cols = w_c[start:end]
-        b_cols = None if bias is None else bias[start:end]
-        grad = fused.recompute_gradient(
-            x_kept, w_cols, b_cols, ys, lse_v, ent_v, plan.params, *upstream, first_column=start
-        )
-        if dx_acc is not None:
-            mm_fp32(grad, w_cols, dx_acc)
-        if weight_dtype == grad.dtype:
+        if need_dx:
+            # on CUDA the first chunk writes the float32 sum, the others add into it
+            if dx_acc is None and not _fp32_out(grad):
+                dx_acc = torch.zeros(n_valid, x.shape[1], dtype=torch.float32, device=x.device)
+            dx_acc = mm_fp32(grad, w_cols, dx_acc)
+        if dw is not None and weight_dtype == grad.dtype:
             torch.mm(grad.t(), x_kept, out=dw[start:end])
-        else:
+        elif dw is not None:
             dw[start:end] = mm_fp32(grad.t(), x_kept)
         if db is not None:
             db[start:end] = grad.sum(0, dtype=torch.float32)
+
+    first = 0
+    if kept is not None:
+        first = kept.e.shape[1]
+        add(0, first, fused.gradient(kept, ys, lse_v, ent_v, plan.params, x.dtype, *upstream))
+    columns = plan_chunk_columns(n_valid, vocab - first, per_logit, plan.budget) if first < vocab else 1
+    for start, end in _chunks(vocab - first, columns):
+        start, end = first + start, min(first + end, vocab)
+        b_cols = None if bias is None else bias[start:end]
+        grad = fused.recompute_gradient(
+            x_kept, w_c[start:end], b_cols, ys, lse_v, ent_v, plan.params, *upstream, first_column=start
+        )
+        add(start, end, grad)
         del grad
+    if dx_acc is None and need_dx:
+        dx_acc = torch.zeros(n_valid, x.shape[1], dtype=torch.float32, device=x.device)
     dx = None if dx_acc is None else _scatter_rows(dx_acc.to(x.dtype), rows, x.shape[0])
     return dx, dw, db

@@ -353,7 +353,9 @@ def test_call_returns_while_the_head_gemm_runs(grad, reduction, budget):
     the stream: the host reads the kept count and the targets' range from a copy made right after the compaction, and
     returns with the GEMMs still running."""
     gen = torch.Generator(device=DEVICE).manual_seed(0)
-    n, h, v = 4096, 4096, 32768  # ~1 ms of GEMM per chunk on an H100/H200, ~50 us of host work after the read
+    # ~3 ms of GEMM on an H100/H200 against ~50 us of host work after the read (at 1 ms the per-token case failed once
+    # beside 13 other test processes); the per-token forward's partial statistics still fit its 64 MiB budget
+    n, h, v = 4096, 4096, 65536
     hidden = torch.randn(n, h, device=DEVICE, generator=gen, dtype=torch.bfloat16).requires_grad_(grad)
     weight = (torch.randn(v, h, device=DEVICE, generator=gen) * 0.02).bfloat16().requires_grad_(grad)
     target = torch.randint(0, v, (n,), device=DEVICE, generator=gen)
@@ -439,6 +441,76 @@ def test_recompute_by_vocabulary_chunks_under_autocast(fused_calls):
     (ref * upstream.double()).sum().backward()
     assert_close(x.grad, rx.grad, 3e-2, "dX")
     assert_close(w.grad, rw.grad, 3e-2, "dW")
+
+
+def _recording_kept_columns(record: list):
+    real = engine._kept_columns
+
+    def wrapper(*args, **kwargs):
+        record.append(real(*args, **kwargs))
+        return record[-1]
+
+    return mock.patch.object(engine, "_kept_columns", wrapper)
+
+
+@pytest.mark.parametrize(
+    "names",
+    [("smoothing", "z_loss", "temperature", "bias"), ("softcap", "z_loss", "temperature", "bias")],
+    ids="+".join,
+)
+@pytest.mark.parametrize(
+    "budget, columns, sync", [(71680, 512, False), (100_000, 768, True)], ids=["no-host-wait", "count-read-first"]
+)
+def test_per_token_keeps_leading_columns_and_recomputes_the_rest(names, budget, columns, sync, fused_calls):
+    """Per-token logits past the keep limit: the forward keeps e for as many leading columns as the limit holds (for
+    every row where it does not wait for the kept count, for the kept rows where it does), backward turns them into
+    the gradient by one pass and recomputes only the other columns. Targets sit on both sides of every edge."""
+    hidden, weight, target, bias, opts = build(names, n=70, v=1000, ignore_every=4)
+    edges = torch.tensor([0, 255, 256, 511, 512, 767, 768, 999], device=target.device)
+    target[1 : 2 * len(edges) : 2] = edges
+    h, w, b = half(hidden, weight, bias)
+    kept_columns = []
+    with (
+        _recording_kept_columns(kept_columns),
+        mock.patch.object(engine, "kept_rows", wraps=engine.kept_rows) as compaction,
+    ):
+        check(
+            h, w, target, b, tol=TOL, grad_tol=GRAD_TOL, stat_grads=True, reduction="none", memory_budget=budget, **opts
+        )
+    assert kept_columns == [columns] and compaction.called == sync
+    assert fused_calls["gradient"] == 1 and fused_calls["recompute_gradient"] == 1
+
+
+def test_partly_kept_columns_with_a_frozen_head_every_row_ignored_and_a_second_backward(fused_calls):
+    """The leading columns kept for a head that takes no gradient (a LoRA fine-tune's): dX alone, by vocabulary
+    chunks. A batch whose every row is ignored: zero gradients. A second backward (retain_graph) recomputes every
+    column, its kept e being consumed by the first."""
+    hidden, weight, target, _, _ = build((), n=70, v=1000)
+    h, w = (t.half() for t in (hidden, weight))
+    upstream = torch.randn(target.shape, generator=torch.Generator().manual_seed(5)).to(target.device)
+    rx = h.detach().double().requires_grad_()
+    ref, _ = hf_flce.reference_linear_cross_entropy(rx, w.double(), target, reduction="none")
+    (ref * upstream.double()).sum().backward()
+    x = h.detach().clone().requires_grad_()
+    kept_columns = []
+    with _recording_kept_columns(kept_columns):
+        loss = hf_flce.fused_linear_cross_entropy(x, w, target, backend="triton", reduction="none", memory_budget=71680)
+    assert kept_columns == [512]
+    (loss * upstream).sum().backward(retain_graph=True)
+    assert_close(x.grad, rx.grad, GRAD_TOL, "dX")
+    assert fused_calls["gradient"] == 1 and fused_calls["recompute_gradient"] == 1
+    first = x.grad.clone()
+    x.grad = None
+    (loss * upstream).sum().backward()
+    assert_close(x.grad, first, GRAD_TOL, "dX of the second backward")
+    assert fused_calls["gradient"] == 1 and fused_calls["recompute_gradient"] >= 2
+
+    x, wg = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    ignored = torch.full_like(target, -100)
+    loss = hf_flce.fused_linear_cross_entropy(x, wg, ignored, backend="triton", reduction="none", memory_budget=71680)
+    (loss * upstream).sum().backward()
+    assert torch.equal(loss, torch.zeros_like(loss))
+    assert torch.count_nonzero(x.grad) == 0 and torch.count_nonzero(wg.grad) == 0
 
 
 def test_plan_chunk_columns():
@@ -563,6 +635,33 @@ def kernel_grads_match(hidden, weight, bias, target, params, logits, ref, stats,
     from_kept = triton_gemm.gradient(kept, target, stats.lse, stats.entropy, params, torch.float32, *upstream)
     assert_close(from_kept, expected, 2e-3, "gradient from the kept e")
     assert kept.e is None
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [dict(smoothing=0.3, z_loss=1e-3), dict(softcap=3.0, temperature=0.7)],
+    ids=["smoothing+z_loss", "softcap+temperature"],
+)
+def test_gradient_of_leading_columns_kept_equals_the_whole_kept_one(opts):
+    """``forward(keep_columns=512)`` at 1000 classes stores e for the leading 512 columns only, and the pass over it
+    gives exactly those columns of the gradient from every column's e (the smoothing term still spread over all
+    1000), with ignored rows; a width that is not a multiple of KEEP_ALIGN is refused."""
+    hidden, weight, target, bias = make_inputs(23, 16, 1000, bias=True, ignore_every=4, seed=9)
+    hidden, weight, bias = hidden.half(), weight.half(), bias.half()
+    params = params_for(1000, **opts)
+    upstream = [torch.randn(23, generator=torch.Generator().manual_seed(4)).to(DEVICE) for _ in range(3)]
+    stats, whole = triton_gemm.forward(hidden, weight, bias, target, params, keep=True)
+    part_stats, part = triton_gemm.forward(hidden, weight, bias, target, params, keep=True, keep_columns=512)
+    assert part.e.shape == (23, 512)
+    for name in ("loss", "lse", "entropy"):
+        assert torch.equal(getattr(part_stats, name), getattr(stats, name)), name
+    grads = [
+        triton_gemm.gradient(kept, target, stats.lse, stats.entropy, params, torch.float32, *upstream)
+        for kept in (whole, part.head(23))
+    ]
+    assert torch.equal(grads[1], grads[0][:, :512])
+    with pytest.raises(ValueError, match="multiple of 256"):
+        triton_gemm.forward(hidden, weight, bias, target, params, keep=True, keep_columns=500)
 
 
 def hundreds_of_nats(hidden, weight, target, rows=5, scale=80.0):

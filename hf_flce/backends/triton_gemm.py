@@ -33,7 +33,8 @@ there it uses ``t_y``, kept from the forward (a float32 dot of the row with the 
 GEMM). Where ``e_j`` underflowed to 0, ``t_j`` is lost, but every term
 left there carries ``p_j < 2**-24`` and vanishes, except label smoothing's ``-smooth_coef * dt_j``: softcap with label
 smoothing keeps the tile path. When the lse is already known (a per-token backward that recomputes the logits), the
-epilogue writes ``g`` itself, with the exact ``dt``. Class weights are not handled here: the engine keeps the tile path
+epilogue writes ``g`` itself, with the exact ``dt``; where e passes the keep limit, the forward keeps it for as many
+leading columns as fit (``keep_columns``), so backward recomputes only the others. Class weights are not handled here: the engine keeps the tile path
 for them.
 
 A scalar loss on bf16 operands (no bias, no label smoothing) skips the gradient pass: ``MODE_SCALED`` stores
@@ -62,6 +63,9 @@ MODE_STATS = 0  # partial statistics only (no gradient wanted: eval, reference m
 MODE_KEEP = 1  # partial statistics and e = exp(t - m_tile) in fp16, for the gradient pass
 MODE_GRAD = 2  # the logits gradient, from a known lse
 MODE_SCALED = 3  # partial statistics and E = exp(t - t_y - REF_OFFSET) dt in bf16: the gradient up to a row scale
+# ``forward(keep_columns=)`` keeps e for a multiple of this many leading columns: of every configuration's BN, so only
+# whole tiles are stored
+KEEP_ALIGN = 256
 
 _NEG_BIG = tl.constexpr(-3.0e38)
 
@@ -278,6 +282,7 @@ def _head_gemm_kernel(
     ref_offset,
     group_rows,
     col_offset,
+    out_cols,
     MODE: tl.constexpr,
     ROWS_ON_DEVICE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -303,12 +308,14 @@ def _head_gemm_kernel(
     FLATTEN: tl.constexpr,
     FIXED_REF: tl.constexpr,
     SPLIT: tl.constexpr,
+    PARTIAL_OUT: tl.constexpr,
 ):
     """[BM, BN] tiles of the transformed logits t of x W^T + b, each reduced in the epilogue (see the module docstring).
     Persistent: each program takes every ``num_programs``-th tile of the full column blocks, then of the ragged last
     one (if V % BN), the only tiles that mask columns. ``ROWS_ON_DEVICE``: only the first ``*rows_ptr`` of the N rows
     (all N if that count is larger: a first chunk) are computed, a count the host never reads; N stays the stride
-    of the partials."""
+    of the partials. ``PARTIAL_OUT`` (MODE 1): ``e`` is stored for the first ``out_cols`` columns only (a multiple of
+    BN; ``out`` is ``[N, out_cols]``), the kept part of a per-token loss whose logits pass the budget."""
     # the hardware's tanh for 16-bit operands; float32 ones (tests) get the float32-exact form
     FAST_TANH: tl.constexpr = HW_TANH and x_ptr.dtype.element_ty != tl.float32
     M = N
@@ -321,7 +328,6 @@ def _head_gemm_kernel(
     # group and from L2 by every row block of it. As many row blocks as ``group_rows`` (their X tiles held in L2), at
     # least GROUP_M: a thin-H chunk is one group, and W comes from HBM once.
     group_m = tl.maximum(group_rows // BM, GROUP_M)
-    per_group = group_m * full_n
     stat_stride = tiles_n * N
     programs = tl.num_programs(0)
     x_desc = x_ptr
@@ -333,20 +339,36 @@ def _head_gemm_kernel(
         x_desc = tl.make_tensor_descriptor(x_ptr, shape=[N, K], strides=[stride_xn, 1], block_shape=[BM, BK])
         w_desc = tl.make_tensor_descriptor(w_ptr, shape=[V, K], strides=[stride_wv, 1], block_shape=[BN, BK])
         if TMA_OUT:
-            out_desc = tl.make_tensor_descriptor(out_ptr, shape=[N, V], strides=[stride_on, 1], block_shape=[BM, BN])
+            out_desc = tl.make_tensor_descriptor(
+                out_ptr, shape=[N, out_cols], strides=[stride_on, 1], block_shape=[BM, BN]
+            )
     full_tiles = tiles_m * full_n
     # the full column blocks (no column mask), then the ragged last one if V % BN; its tiles go first to the programs
-    # that had one full tile fewer
-    for RAGGED in tl.static_range(2):
-        if RAGGED == 0:
+    # that had one full tile fewer. With PARTIAL_OUT the full blocks whose e is stored take a loop of their own: a
+    # branch on the column block inside one flattened loop fails Triton 3.6's loop fusion (TritonGPUFuseNestedLoops).
+    stored_n = full_n
+    if PARTIAL_OUT:
+        stored_n = out_cols // BN
+    # the segment of the ragged column block: 2 with PARTIAL_OUT (after the stored and the other full blocks), else 1
+    RAGGED: tl.constexpr = 1 + PARTIAL_OUT
+    for SEG in tl.static_range(RAGGED + 1):
+        if SEG == 0:
+            first_n = 0
+            seg_n = stored_n
             start = tl.program_id(0)
-            stop = full_tiles
+            stop = tiles_m * stored_n
+        elif SEG != RAGGED:
+            first_n = stored_n
+            seg_n = full_n - stored_n
+            start = (tl.program_id(0) + programs - (tiles_m * stored_n) % programs) % programs
+            stop = tiles_m * seg_n
         else:
             start = (tl.program_id(0) + programs - full_tiles % programs) % programs
             stop = tiles_m * (tiles_n - full_n)
         for tile in tl.range(start, stop, programs, flatten=FLATTEN):
-            if RAGGED == 0:
-                pid_m, pid_n = grouped_block(tile, tiles_m, per_group, group_m)
+            if SEG != RAGGED:
+                pid_m, pid_n = grouped_block(tile, tiles_m, group_m * seg_n, group_m)
+                pid_n += first_n
             else:
                 pid_m = tile
                 pid_n = full_n
@@ -364,7 +386,7 @@ def _head_gemm_kernel(
                 # Out-of-range rows and columns read row 0 (in bounds); their results are masked at the end.
                 ks = tl.arange(0, BK)
                 x_ptrs = x_ptr + tl.where(row_ok, rows, 0).to(tl.int64)[:, None] * stride_xn + ks[None, :]
-                w_rows = tl.where(col_ok, cols, 0) if RAGGED == 1 else cols
+                w_rows = tl.where(col_ok, cols, 0) if SEG == RAGGED else cols
                 w_ptrs = w_ptr + w_rows.to(tl.int64)[:, None] * stride_wv + ks[None, :]
                 for k in range(0, K, BK):
                     k_ok = (k + ks) < K
@@ -381,7 +403,7 @@ def _head_gemm_kernel(
                 acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
             t, dt = _transform(acc, inv_softcap, t_scale, inv_temperature, HAS_SOFTCAP, HAS_TEMPERATURE, FAST_TANH)
             out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_on + cols[None, :]
-            out_mask = row_ok[:, None] & col_ok[None, :] if RAGGED == 1 else row_ok[:, None]
+            out_mask = row_ok[:, None] & col_ok[None, :] if SEG == RAGGED else row_ok[:, None]
 
             if MODE == 2:
                 y = tl.load(y_ptr + rows, mask=row_ok, other=ignore_index)
@@ -443,7 +465,7 @@ def _head_gemm_kernel(
                         inv_temperature,
                         HAS_SOFTCAP,
                         HAS_TEMPERATURE,
-                        RAGGED == 1,
+                        SEG == RAGGED,
                         BN // 2,
                         FAST_TANH,
                     )
@@ -458,10 +480,10 @@ def _head_gemm_kernel(
                     # then computes that row's lse again (_merge_kernel).
                     m = tl.load(ty_ptr + rows, mask=row_ok, other=float("inf")) + ref_offset
                     e = fast_exp(t - m[:, None])
-                    if RAGGED == 1:
+                    if SEG == RAGGED:
                         e = tl.where(col_ok[None, :], e, 0.0)
                 else:
-                    if RAGGED == 1:
+                    if SEG == RAGGED:
                         t = tl.where(col_ok[None, :], t, float("-inf"))
                     m = tl.max(t, 1)
                     e = fast_exp(t - m[:, None])
@@ -469,13 +491,13 @@ def _head_gemm_kernel(
                 tl.store(part + stat_stride, tl.sum(e, 1), mask=row_ok)
                 if ENTROPY:
                     t_minus_m = t - m[:, None]
-                    if RAGGED == 1:
+                    if SEG == RAGGED:
                         t_minus_m = tl.where(col_ok[None, :], t_minus_m, 0.0)
                     tl.store(part + 2 * stat_stride, tl.sum(e * t_minus_m, 1), mask=row_ok)
                 if SUM_E2:
                     tl.store(part + 3 * stat_stride, tl.sum(e * e, 1), mask=row_ok)
                 if SUM_T:
-                    t_in = tl.where(col_ok[None, :], t, 0.0) if RAGGED == 1 else t
+                    t_in = tl.where(col_ok[None, :], t, 0.0) if SEG == RAGGED else t
                     tl.store(part + 4 * stat_stride, tl.sum(t_in, 1), mask=row_ok)
                 if TOP1:
                     # the first column holding the tile's max
@@ -494,10 +516,11 @@ def _head_gemm_kernel(
                         if HAS_SOFTCAP or HAS_TEMPERATURE:
                             stored *= dt
                     # MODE 1: e in fp16; MODE 3: E in the operands' bf16
-                    if TMA_OUT:
-                        out_desc.store([pid_m * BM, pid_n * BN], stored.to(out_ptr.dtype.element_ty))
-                    else:
-                        tl.store(out_ptrs, stored.to(out_ptr.dtype.element_ty), mask=out_mask)
+                    if SEG == 0 or SEG == RAGGED and not PARTIAL_OUT:
+                        if TMA_OUT:
+                            out_desc.store([pid_m * BM, pid_n * BN], stored.to(out_ptr.dtype.element_ty))
+                        else:
+                            tl.store(out_ptrs, stored.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
@@ -774,6 +797,7 @@ def _grad_from_e_kernel(
     g_ptr,
     stride_gn,
     part_ptr,
+    stride_pt,
     y_ptr,
     ty_ptr,
     lse_ptr,
@@ -802,15 +826,16 @@ def _grad_from_e_kernel(
     BR: tl.constexpr,
     BN: tl.constexpr,
 ):
-    """The gradient of a [BR, BN] block (BN = the GEMM's tile width, so one m per row) from the stored e. ``g`` may
-    be ``e``'s own memory: each element is read before it is written, by the same thread."""
+    """The gradient of a [BR, BN] block (BN = the GEMM's tile width, so one m per row) from the stored e, whose V
+    columns may be the head's first ones only. ``g`` may be ``e``'s own memory: each element is read before it is
+    written, by the same thread."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     tile = tl.program_id(1)
     cols = tile * BN + tl.arange(0, BN)
     row_ok = rows < N
     y = tl.load(y_ptr + rows, mask=row_ok, other=ignore_index)
     valid = row_ok & (y != ignore_index)
-    m = tl.load(part_ptr + tile * N + rows, mask=valid, other=0.0)
+    m = tl.load(part_ptr + tile * stride_pt + rows, mask=valid, other=0.0)
     lse, p_coef, onehot_coef, smooth_coef, g_entropy = _row_coefs(
         rows,
         valid,
@@ -858,12 +883,17 @@ def _grad_from_e_kernel(
 class KeptSoftmax:
     """What the gradient pass needs of a chunk: e = exp(t - m_tile) in fp16 ``[rows, V]``, the per-tile maxima
     ``[n_tiles, rows]`` (first plane of ``partials``), the tile width and the target logits ``t_y`` (float32
-    ``[rows]``, unset at ignored rows; read with a softcap)."""
+    ``[rows]``, unset at ignored rows; read with a softcap). ``e`` may hold the first columns only
+    (``forward(keep_columns=)``): its gradient is then those columns'."""
 
     e: torch.Tensor
     partials: torch.Tensor
     tile_n: int
     t_y: torch.Tensor
+
+    def head(self, rows: int) -> KeptSoftmax:
+        """The first ``rows`` rows (views)."""
+        return KeptSoftmax(self.e[:rows], self.partials[:, :rows], self.tile_n, self.t_y[:rows])
 
 
 def _planes(params: TileParams) -> int:
@@ -991,11 +1021,14 @@ def _gemm(
     t_y=None,
     fixed_ref=False,
     first_column=0,
+    out_columns=None,
 ):
     """``weight`` (and ``bias``) may hold the head's rows from ``first_column`` on (MODE_GRAD only): the output's
-    columns are theirs, while the statistics' constants still come from the whole vocabulary (``params.vocab``)."""
+    columns are theirs, while the statistics' constants still come from the whole vocabulary (``params.vocab``).
+    ``out_columns`` (MODE_KEEP, a multiple of every configuration's BN): ``out`` holds e's first columns only."""
     n, k = x.shape
     columns = weight.shape[0]
+    partial_out = out_columns is not None and out_columns < columns
     use_tma = _tma_usable(x, weight)
     if use_tma:
         # device-side tensor descriptors live in scratch memory that Triton asks its allocator for
@@ -1034,6 +1067,7 @@ def _gemm(
         triton_scaled.REF_OFFSET,
         L2_GROUP_BYTES // (k * x.element_size()),
         first_column,
+        out_columns if partial_out else columns,
     )
     flags = dict(
         MODE=mode,
@@ -1049,8 +1083,17 @@ def _gemm(
         **_stat_flags(params, wanted=mode != MODE_GRAD),
         FIXED_REF=fixed_ref,
         SPLIT=split,
+        PARTIAL_OUT=partial_out,
     )
-    tuned_key = (columns, k, mode, use_tma, fixed_ref, tuple(a.dtype for a in args if isinstance(a, torch.Tensor)))
+    tuned_key = (
+        columns,
+        k,
+        mode,
+        use_tma,
+        fixed_ref,
+        partial_out,
+        tuple(a.dtype for a in args if isinstance(a, torch.Tensor)),
+    )
     return _launch_tuned(grid, args, flags, tuned_key)
 
 
@@ -1107,6 +1150,7 @@ def forward(
     keep: bool,
     rows_on_device: torch.Tensor | None = None,
     scaled: bool = False,
+    keep_columns: int | None = None,
 ) -> tuple[TileStats, KeptSoftmax | triton_scaled.ScaledGradient | None]:
     """Statistics of every row of ``x W^T + b`` (and, with ``keep``, what the gradient pass needs), without ever
     materialising the logits. ``rows_on_device`` (an integer tensor; statistics only, or a scaled gradient): the GEMM
@@ -1114,8 +1158,13 @@ def forward(
     rows after them must have ``ignore_index`` targets, and a scaled gradient's ``E`` is left unwritten there (the
     caller cuts those rows off once it knows the count). ``scaled`` (a scalar loss, ``triton_scaled.supports``): the
     second result is the logits gradient as a ``ScaledGradient`` per unit of upstream gradient, with no pass over the
-    logits after the GEMM."""
+    logits after the GEMM. ``keep_columns`` (with ``keep``, a multiple of ``KEEP_ALIGN``): e is kept for the first
+    columns only, the rest of a per-token loss's logits being recomputed in backward."""
     n, vocab = x.shape[0], params.vocab
+    if keep_columns is not None and (not keep or keep_columns % KEEP_ALIGN or keep_columns <= 0):
+        raise ValueError(f"keep_columns must be a positive multiple of {KEEP_ALIGN} with keep, got {keep_columns}")
+    partial = keep_columns is not None and keep_columns < vocab
+    e_columns = keep_columns if partial else vocab
     dev = x.device
     f32 = dict(dtype=torch.float32, device=dev)
     f16 = dict(dtype=torch.float16, device=dev)
@@ -1124,8 +1173,8 @@ def forward(
         if scaled:
             empty = torch.empty(0, vocab, dtype=x.dtype, device=dev)
             return stats, triton_scaled.ScaledGradient(empty, stats.loss, stats.loss, target, params.ignore_index)
-        empty = torch.empty(0, vocab, dtype=torch.float16, device=dev)
-        return stats, (KeptSoftmax(empty, stats.loss, 1, stats.loss) if keep else None)
+        empty = torch.empty(0, e_columns, dtype=torch.float16, device=dev)
+        return stats, (KeptSoftmax(empty, stats.loss.view(1, 0), 1, stats.loss) if keep else None)
     mode = MODE_SCALED if scaled else MODE_KEEP if keep else MODE_STATS
     # Sized for the narrowest tile; the kernel indexes them by the tile width the autotuner picked.
     max_tiles = _max_tiles(vocab)
@@ -1134,7 +1183,10 @@ def forward(
     from . import hopper_head  # builds on this module's jit functions
 
     warp_specialized = (
-        not scaled and rows_on_device is None and hopper_head.supports(x, weight, bias, params, _stat_flags(params))
+        not scaled
+        and not partial
+        and rows_on_device is None
+        and hopper_head.supports(x, weight, bias, params, _stat_flags(params))
     )
     fixed_ref = scaled and _row_reference(params)
     e = t_y = None
@@ -1145,7 +1197,7 @@ def forward(
     if scaled:
         e = torch.empty(n, vocab, dtype=x.dtype, device=dev)
     elif keep:
-        e = hopper_head.empty_e(n, vocab, dev) if warp_specialized else torch.empty(n, vocab, **f16)
+        e = hopper_head.empty_e(n, vocab, dev) if warp_specialized else torch.empty(n, e_columns, **f16)
     with TritonTileOps._device_guard(dev):
         if warp_specialized:
             hopper_head.statistics(x, weight, params, partials, e)
@@ -1167,6 +1219,7 @@ def forward(
                 rows_on_device,
                 t_y,
                 fixed_ref,
+                out_columns=e_columns,
             )
             # the partials' layout follows the tile width the autotuner picked for this launch
             tile_n = config.kwargs["BN"]
@@ -1221,8 +1274,11 @@ def forward(
         )
     if scaled:
         return stats, triton_scaled.row_scales(e, target, t_y, stats.lse, params, transform_args(params))
-    kept = KeptSoftmax(e, partials[: n_tiles * n].view(n_tiles, n), tile_n, t_y) if keep else None
-    return stats, kept
+    if not keep:
+        return stats, None
+    # the maxima of the tiles e is kept for (the first plane) outlive the call, apart from the other planes
+    kept_tiles = triton.cdiv(e.shape[1], tile_n)
+    return stats, KeptSoftmax(e, partials[: kept_tiles * n].view(kept_tiles, n).clone(), tile_n, t_y)
 
 
 def gradient(
@@ -1236,7 +1292,8 @@ def gradient(
     grad_logprob: torch.Tensor | None = None,
     grad_entropy: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The logits gradient ``[rows, V]`` in ``out_dtype`` (16-bit: written over ``kept.e``, which is consumed)."""
+    """The logits gradient ``[rows, V]`` (or the columns ``kept.e`` holds) in ``out_dtype`` (16-bit: written over
+    ``kept.e``, which is consumed)."""
     e = kept.e
     n, vocab = e.shape
     out = e.view(out_dtype) if out_dtype.itemsize == 2 else torch.empty(n, vocab, dtype=out_dtype, device=e.device)
@@ -1253,6 +1310,7 @@ def gradient(
             out,
             out.stride(0),
             kept.partials,
+            kept.partials.stride(0),
             target,
             kept.t_y,
             lse,
@@ -1264,7 +1322,7 @@ def gradient(
             _t_scale(params),
             params.inv_temperature,
             params.label_smoothing,
-            params.label_smoothing / vocab,
+            params.label_smoothing / params.vocab,
             params.z_loss,
             BR=br,
             BN=kept.tile_n,
