@@ -936,7 +936,7 @@ def _recompute_by_columns(
     first = 0
     if kept is not None:
         first = kept.e.shape[1]
-        add(0, first, fused.gradient(kept, ys, lse_v, ent_v, plan.params, x.dtype, *upstream))
+        add(0, first, fused.gradient(kept, ys, lse_v, ent_v, plan.params, x_kept.dtype, *upstream))
     columns = plan_chunk_columns(n_valid, vocab - first, per_logit, plan.budget) if first < vocab else 1
     for start, end in _chunks(vocab - first, columns):
         start, end = first + start, min(first + end, vocab)

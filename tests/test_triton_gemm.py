@@ -426,15 +426,27 @@ def test_recompute_past_the_budget_takes_column_chunks_where_rows_took_one_chunk
     assert fused_calls["recompute_gradient"] == 2
 
 
-def test_recompute_by_vocabulary_chunks_under_autocast(fused_calls):
-    """float32 inputs under bf16 autocast: the chunks' dW rows come back in float32, and dX too."""
+@pytest.mark.parametrize("budget, recomputed, kept", [(1024, 3, 0), (40000, 2, 1)], ids=["recomputed", "256-kept"])
+def test_recompute_by_vocabulary_chunks_under_autocast(budget, recomputed, kept, fused_calls):
+    """float32 inputs under bf16 autocast: the chunks' dW rows come back in float32, and dX too; the kept leading
+    columns' gradient is taken in bf16, as the recomputed chunks' is (not in float32, twice the kept bytes)."""
     hidden, weight, target, _, _ = build((), n=60, v=600)
     x, w = (t.clone().requires_grad_() for t in (hidden, weight))
     upstream = torch.randn(target.shape, generator=torch.Generator().manual_seed(3)).to(target.device)
-    with torch.autocast(x.device.type, dtype=torch.bfloat16):
-        loss = hf_flce.fused_linear_cross_entropy(x, w, target, backend="triton", reduction="none", memory_budget=1024)
-    (loss * upstream).sum().backward()
-    assert fused_calls["recompute_gradient"] == 3
+    out_dtypes = []
+    counted_gradient = triton_gemm.gradient
+
+    def gradient(kept_e, target, lse, entropy, params, out_dtype, *upstream):
+        out_dtypes.append(out_dtype)
+        return counted_gradient(kept_e, target, lse, entropy, params, out_dtype, *upstream)
+
+    with mock.patch.object(triton_gemm, "gradient", gradient):
+        with torch.autocast(x.device.type, dtype=torch.bfloat16):
+            loss = hf_flce.fused_linear_cross_entropy(
+                x, w, target, backend="triton", reduction="none", memory_budget=budget
+            )
+        (loss * upstream).sum().backward()
+    assert fused_calls["recompute_gradient"] == recomputed and out_dtypes == [torch.bfloat16] * kept
     assert x.grad.dtype == torch.float32 and w.grad.dtype == torch.float32
     rx, rw = (t.detach().bfloat16().double().requires_grad_() for t in (hidden, weight))
     ref, _ = hf_flce.reference_linear_cross_entropy(rx, rw, target, reduction="none")
