@@ -554,8 +554,9 @@ def _statistics_without_sync(
     launches (a ValueError, as everywhere), of a copy made right after the compaction: the call returns while the
     GEMM runs. The outputs, and with ``for_backward`` (a per-token loss whose backward recomputes) the state that
     backward needs, else None; with ``keep_columns``, that state keeps e for those leading columns (sized for every
-    row, since the kept count is not known before the GEMM). None where this does not apply: a call whose partial statistics and gathered rows
-    exceed the budget (it takes the chunked path), or one that may not sync at all (graph capture, compilation)."""
+    row, since the kept count is not known before the GEMM). None where this does not apply: a call whose partial
+    statistics and gathered rows exceed the budget (it takes the chunked path), or one that may not sync at all (graph
+    capture, compilation)."""
     n, vocab = x.shape[0], w_c.shape[0]
     if fused is None or n == 0 or not _can_compact():
         return None

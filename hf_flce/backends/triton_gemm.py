@@ -30,12 +30,12 @@ logit), with ``p_j = e_j exp(m_tile - lse)``:
 temperature`` needs ``t_j``: the pass takes it as ``m_tile + log e_j`` (off by e's fp16 rounding, about 2**-11, which
 matters only where tanh saturates and ``dt`` is tiny), except at the target column, whose ``e_y`` may have underflowed:
 there it uses ``t_y``, kept from the forward (a float32 dot of the row with the target's weight row, outside the
-GEMM). Where ``e_j`` underflowed to 0, ``t_j`` is lost, but every term
-left there carries ``p_j < 2**-24`` and vanishes, except label smoothing's ``-smooth_coef * dt_j``: softcap with label
-smoothing keeps the tile path. When the lse is already known (a per-token backward that recomputes the logits), the
-epilogue writes ``g`` itself, with the exact ``dt``; where e passes the keep limit, the forward keeps it for as many
-leading columns as fit (``keep_columns``), so backward recomputes only the others. Class weights are not handled here: the engine keeps the tile path
-for them.
+GEMM). Where ``e_j`` underflowed to 0, ``t_j`` is lost, but every term left there carries ``p_j < 2**-24`` and
+vanishes, except label smoothing's ``-smooth_coef * dt_j``: softcap with label smoothing keeps the tile path. When the
+lse is already known (a per-token backward that recomputes the logits), the epilogue writes ``g`` itself, with the
+exact ``dt``; where e passes the keep limit, the forward keeps it for as many leading columns as fit
+(``keep_columns``), so backward recomputes only the others. Class weights are not handled here: the engine keeps the
+tile path for them.
 
 A scalar loss on bf16 operands (no bias, no label smoothing) skips the gradient pass: ``MODE_SCALED`` stores
 ``E = exp(t - t_y - 32) dt`` in bf16 against one reference per row, known before the GEMM, and the gradient GEMMs take
