@@ -80,13 +80,18 @@ def compute_logits(
     return logits
 
 
+def exact_mm_fp32(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor | None = None) -> torch.Tensor:
+    """``a @ b`` in float32, added into ``acc`` when given, with nothing rounded to 16 bits: on CUDA the GEMM has a
+    float32 output; CPU torch has none, so the operands are upcast there (``mm_fp32`` keeps a new CPU product's 16-bit
+    rounding, which costs less where the product is rounded anyway)."""
+    if acc is None and not _fp32_out(a):
+        return torch.mm(a.float(), b.float())
+    return mm_fp32(a, b, acc)
+
+
 def dw_product(grad_logits: torch.Tensor, x: torch.Tensor, acc: torch.Tensor | None = None) -> torch.Tensor:
-    """``grad_logits^T x`` in float32, added into ``acc`` when given (summing chunk products in bf16 biases
-    training). Nothing is rounded to 16 bits: on CUDA the GEMM has a float32 output; CPU torch has none, so the
-    operands are upcast there."""
-    if acc is None and not _fp32_out(x):
-        return torch.mm(grad_logits.t().float(), x.float())
-    return mm_fp32(grad_logits.t(), x, acc)
+    """``grad_logits^T x`` by ``exact_mm_fp32`` (summing chunk products in bf16 biases training)."""
+    return exact_mm_fp32(grad_logits.t(), x, acc)
 
 
 def _logits_16bit(plan: CallPlan, x: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -220,9 +225,9 @@ def _column_buffers_fit(plan: CallPlan, n_rows: int, x, w_c, weight, gathered: b
 def _kept_columns(plan: CallPlan, fused, n_rows: int, x, w_c, weight, need_dw: bool) -> int | None:
     """How many leading vocabulary columns a per-token loss whose logits pass the keep limit keeps (as the epilogue's
     16-bit e) from forward to backward for ``n_rows`` rows, its backward recomputing only the others, by vocabulary
-    chunks: as many whole ``fused.KEEP_ALIGN`` blocks as the limit holds. None where none fits or the backward would
+    chunks: as many whole ``fused.COLUMN_ALIGN`` blocks as the limit holds. None where none fits or the backward would
     not walk the vocabulary. The kept columns cost their share of a GEMM less in backward, for a pass over them."""
-    align = fused.KEEP_ALIGN
+    align = fused.COLUMN_ALIGN
     columns = _keep_limit(plan, x.device) // max(1, n_rows * 2) // align * align
     if not 0 < columns < w_c.shape[0] or not fused.recompute_by_columns():
         return None
@@ -568,7 +573,7 @@ def _statistics_without_sync(
     # the kept rows first; the GEMM reads their count from summary[0], and rows past it are never computed
     compaction = _DeviceCompaction.start(fused, target, vocab, ignore_index)
     x_kept = compute_operand(x.index_select(0, compaction.order), plan)
-    keep = for_backward and keep_columns is not None
+    keep = keep_columns is not None
     stats, kept = fused.forward(
         x_kept,
         w_c,
@@ -663,6 +668,7 @@ def _forward(x, weight, bias, target, plan: CallPlan, needs_input_grad) -> tuple
     keep_columns = None
     if need_grad and not eager and not keep_logits and n_chunks == 1 and fused is not None and not plan.prob_weighted:
         keep_columns = _kept_columns(plan, fused, n_valid, x, w_c, weight, need_dw)
+    keep = keep_logits or keep_columns is not None
 
     def settle() -> int:
         """The deferred first chunk's rows that are kept, once the host has read the count; the rest is planned in
@@ -705,7 +711,7 @@ def _forward(x, weight, bias, target, plan: CallPlan, needs_input_grad) -> tuple
             fused,
             grad_scale,
             eager,
-            keep_logits or keep_columns is not None,
+            keep,
             scaled,
             settle if first_deferred else None,
             compaction.summary if first_deferred else None,
@@ -721,7 +727,7 @@ def _forward(x, weight, bias, target, plan: CallPlan, needs_input_grad) -> tuple
                 if grads is None:
                     grads = new_grads()
                 grads.add(start, end, grad_out, x_chunk)
-            elif keep_logits or keep_columns is not None:
+            elif keep:
                 kept = kept_chunk
         # the next chunk's buffers must not be allocated while this chunk's are still referenced
         del grad_out, kept_chunk
@@ -892,7 +898,7 @@ def _recompute_grads(
     return grads.finish()
 
 
-def plan_chunk_columns(n_rows: int, vocab: int, bytes_per_logit: float, budget: int, align: int = 256) -> int:
+def plan_chunk_columns(n_rows: int, vocab: int, bytes_per_logit: float, budget: int, align: int) -> int:
     """Columns per vocabulary chunk of ``n_rows`` rows: as many as ``budget`` bytes allow, balanced, and a multiple of
     ``align`` (a GEMM column tile, so only the last chunk has a ragged tile), at least ``align``."""
     per_column = max(1, int(n_rows * bytes_per_logit))
@@ -923,14 +929,12 @@ def _recompute_by_columns(
         nonlocal dx_acc
         w_cols = w_c[start:end]
         if need_dx:
-            # on CUDA the first chunk writes the float32 sum, the others add into it
-            if dx_acc is None and not _fp32_out(grad):
-                dx_acc = torch.zeros(n_valid, x.shape[1], dtype=torch.float32, device=x.device)
-            dx_acc = mm_fp32(grad, w_cols, dx_acc)
+            # the first chunk writes the float32 sum, the others add into it
+            dx_acc = exact_mm_fp32(grad, w_cols, dx_acc)
         if dw is not None and weight_dtype == grad.dtype:
             torch.mm(grad.t(), x_kept, out=dw[start:end])
         elif dw is not None:
-            dw[start:end] = mm_fp32(grad.t(), x_kept)
+            dw[start:end] = exact_mm_fp32(grad.t(), x_kept)
         if db is not None:
             db[start:end] = grad.sum(0, dtype=torch.float32)
 
@@ -938,7 +942,7 @@ def _recompute_by_columns(
     if kept is not None:
         first = kept.e.shape[1]
         add(0, first, fused.gradient(kept, ys, lse_v, ent_v, plan.params, x_kept.dtype, *upstream))
-    columns = plan_chunk_columns(n_valid, vocab - first, per_logit, plan.budget) if first < vocab else 1
+    columns = plan_chunk_columns(n_valid, vocab - first, per_logit, plan.budget, fused.COLUMN_ALIGN)
     for start, end in _chunks(vocab - first, columns):
         start, end = first + start, min(first + end, vocab)
         b_cols = None if bias is None else bias[start:end]
@@ -947,7 +951,5 @@ def _recompute_by_columns(
         )
         add(start, end, grad)
         del grad
-    if dx_acc is None and need_dx:
-        dx_acc = torch.zeros(n_valid, x.shape[1], dtype=torch.float32, device=x.device)
     dx = None if dx_acc is None else _scatter_rows(dx_acc.to(x.dtype), rows, x.shape[0])
     return dx, dw, db

@@ -527,7 +527,7 @@ def test_partly_kept_columns_with_a_frozen_head_every_row_ignored_and_a_second_b
 
 def test_plan_chunk_columns():
     for n_rows, vocab, budget in [(70, 777, 8192), (16384, 151936, 1 << 30), (8192, 128256, 1 << 30), (1, 5, 1)]:
-        columns = engine.plan_chunk_columns(n_rows, vocab, 2, budget)
+        columns = engine.plan_chunk_columns(n_rows, vocab, 2, budget, triton_gemm.COLUMN_ALIGN)
         chunks = -(-vocab // columns)
         assert columns % 256 == 0 and columns >= 256
         assert n_rows * columns * 2 <= budget or columns == 256
@@ -657,7 +657,7 @@ def kernel_grads_match(hidden, weight, bias, target, params, logits, ref, stats,
 def test_gradient_of_leading_columns_kept_equals_the_whole_kept_one(opts):
     """``forward(keep_columns=512)`` at 1000 classes stores e for the leading 512 columns only, and the pass over it
     gives exactly those columns of the gradient from every column's e (the smoothing term still spread over all
-    1000), with ignored rows; a width that is not a multiple of KEEP_ALIGN is refused."""
+    1000), with ignored rows; a width that is not a multiple of COLUMN_ALIGN is refused."""
     hidden, weight, target, bias = make_inputs(23, 16, 1000, bias=True, ignore_every=4, seed=9)
     hidden, weight, bias = hidden.half(), weight.half(), bias.half()
     params = params_for(1000, **opts)

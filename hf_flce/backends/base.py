@@ -79,10 +79,10 @@ class TileOps(Protocol):
     # torch has no 16-bit GEMM with a float32 output, so a float32 copy would hold the same values), with ``grad_out``
     # then the logits themselves; the backend's scratch must not grow with the chunk there (it is not budgeted).
     # Optional: ``fused_head``, a path that replaces the logits GEMM and these passes for calls it ``supports``:
-    # ``forward`` (``keep_columns=``: e kept for the leading columns only, a multiple of ``KEEP_ALIGN``), ``gradient``,
-    # ``recompute_gradient`` (``first_column=``: a vocabulary chunk of the head's rows) and ``bytes_per_logit``, and
-    # ``recompute_by_columns()``, whether the engine's recomputing backward may walk the vocabulary in column chunks
-    # (``triton_gemm``).
+    # ``forward`` (``keep_columns=``: e kept for the leading columns only, a multiple of ``COLUMN_ALIGN``),
+    # ``gradient``, ``recompute_gradient`` (``first_column=``: a vocabulary chunk of the head's rows) and
+    # ``bytes_per_logit``, and ``recompute_by_columns()``, whether the engine's recomputing backward may walk the
+    # vocabulary in column chunks (``triton_gemm``).
     # Optional: ``residual_dw``, for calls it ``supports``, a ``ResidualDW`` that sums the chunks' dW into the 16-bit
     # gradient plus an int8 residual instead of a float32 accumulator (``triton_dw``).
     # Optional: ``gemm_min_capability``, the CUDA compute capability (major) below which the engine does not take

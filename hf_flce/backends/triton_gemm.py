@@ -63,9 +63,10 @@ MODE_STATS = 0  # partial statistics only (no gradient wanted: eval, reference m
 MODE_KEEP = 1  # partial statistics and e = exp(t - m_tile) in fp16, for the gradient pass
 MODE_GRAD = 2  # the logits gradient, from a known lse
 MODE_SCALED = 3  # partial statistics and E = exp(t - t_y - REF_OFFSET) dt in bf16: the gradient up to a row scale
-# ``forward(keep_columns=)`` keeps e for a multiple of this many leading columns: of every configuration's BN, so only
-# whole tiles are stored
-KEEP_ALIGN = 256
+# Vocabulary chunks (``recompute_gradient(first_column=)``) and the leading columns ``forward(keep_columns=)`` keeps
+# come in multiples of this many columns, a multiple of every configuration's BN: whole tiles, and only the last
+# chunk has a ragged one
+COLUMN_ALIGN = 256
 
 _NEG_BIG = tl.constexpr(-3.0e38)
 
@@ -1158,11 +1159,11 @@ def forward(
     rows after them must have ``ignore_index`` targets, and a scaled gradient's ``E`` is left unwritten there (the
     caller cuts those rows off once it knows the count). ``scaled`` (a scalar loss, ``triton_scaled.supports``): the
     second result is the logits gradient as a ``ScaledGradient`` per unit of upstream gradient, with no pass over the
-    logits after the GEMM. ``keep_columns`` (with ``keep``, a multiple of ``KEEP_ALIGN``): e is kept for the first
+    logits after the GEMM. ``keep_columns`` (with ``keep``, a multiple of ``COLUMN_ALIGN``): e is kept for the first
     columns only, the rest of a per-token loss's logits being recomputed in backward."""
     n, vocab = x.shape[0], params.vocab
-    if keep_columns is not None and (not keep or keep_columns % KEEP_ALIGN or keep_columns <= 0):
-        raise ValueError(f"keep_columns must be a positive multiple of {KEEP_ALIGN} with keep, got {keep_columns}")
+    if keep_columns is not None and (not keep or keep_columns % COLUMN_ALIGN or keep_columns <= 0):
+        raise ValueError(f"keep_columns must be a positive multiple of {COLUMN_ALIGN} with keep, got {keep_columns}")
     partial = keep_columns is not None and keep_columns < vocab
     e_columns = keep_columns if partial else vocab
     dev = x.device
