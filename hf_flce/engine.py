@@ -13,6 +13,7 @@ Two strategies, picked per call:
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
@@ -229,9 +230,15 @@ def _kept_columns(plan: CallPlan, fused, n_rows: int, x, w_c, weight, need_dw: b
     not walk the vocabulary. The kept columns cost their share of a GEMM less in backward, for a pass over them."""
     align = fused.COLUMN_ALIGN
     columns = _keep_limit(plan, x.device) // max(1, n_rows * 2) // align * align
-    if not 0 < columns < w_c.shape[0] or not fused.recompute_by_columns():
+    if not 0 < columns < w_c.shape[0] or not _vocab_chunks():
         return None
     return columns if _column_buffers_fit(plan, n_rows, x, w_c, weight, True, need_dw) else None
+
+
+def _vocab_chunks() -> bool:
+    """Whether a recomputing backward may walk the vocabulary in column chunks (``_recompute_by_columns``);
+    ``HF_FLCE_VOCAB_CHUNKS=0`` keeps row chunks (for A/B measurements)."""
+    return os.environ.get("HF_FLCE_VOCAB_CHUNKS", "1") != "0"
 
 
 def _chunks(n: int, size: int):
@@ -850,11 +857,10 @@ def _recompute_grads(
     # (``_kept_columns``) chose them already.
     partly_kept = kept is not None and not isinstance(kept, torch.Tensor) and kept.e.shape[1] < weight.shape[0]
     by_columns = (
-        fused is not None
-        and kept is None
+        kept is None
         and over_budget
         and need_dw
-        and fused.recompute_by_columns()
+        and _vocab_chunks()
         and _column_buffers_fit(plan, n_valid, x, w_c, weight, rows is not None, need_dw)
     )
     if partly_kept or by_columns:
@@ -898,6 +904,10 @@ def _recompute_grads(
     return grads.finish()
 
 
+# A vocabulary chunk's width on the tile path is a multiple of this: only the last chunk has a ragged GEMM tile.
+_TILE_COLUMN_ALIGN = 128
+
+
 def plan_chunk_columns(n_rows: int, vocab: int, bytes_per_logit: float, budget: int, align: int) -> int:
     """Columns per vocabulary chunk of ``n_rows`` rows: as many as ``budget`` bytes allow, balanced, and a multiple of
     ``align`` (a GEMM column tile, so only the last chunk has a ragged tile), at least ``align``."""
@@ -915,11 +925,14 @@ def _recompute_by_columns(
     (every kept row: their lse is known) gives dW's rows of that chunk in one GEMM over all rows, written once in the
     weight's dtype; dX is summed over the chunks in float32. Row chunks would sum dW in a ``[V, H]`` float32
     accumulator instead, read and written once per chunk: with rows < V this takes less memory and traffic, and dW is
-    rounded once, as one GEMM rounds it. ``kept`` (the forward's e for the leading columns, ``_kept_columns``) gives
-    the first chunk's gradient by a pass over it, freed before the GEMMs recompute the others."""
+    rounded once, as one GEMM rounds it. A chunk's gradient comes from the epilogue of the GEMM that recomputes its
+    logits (``fused``), or from the tile pass over its logits. ``kept`` (the forward's e for the leading columns,
+    ``_kept_columns``) gives the first chunk's gradient by a pass over it, freed before the GEMMs recompute the
+    others."""
     need_dx, need_dw, need_db = needs
     n_valid = ys.shape[0]
     vocab = w_c.shape[0]
+    logits_16bit = fused is None and _logits_16bit(plan, x, bias)
     x_kept = _chunk_rows(x, rows, 0, n_valid, plan)
     dx_acc = None
     dw = torch.empty(w_c.shape, dtype=weight_dtype, device=w_c.device) if need_dw else None
@@ -938,17 +951,28 @@ def _recompute_by_columns(
         if db is not None:
             db[start:end] = grad.sum(0, dtype=torch.float32)
 
+    def recompute(start: int, end: int) -> torch.Tensor:
+        w_cols, b_cols = w_c[start:end], None if bias is None else bias[start:end]
+        if fused is not None:
+            return fused.recompute_gradient(
+                x_kept, w_cols, b_cols, ys, lse_v, ent_v, plan.params, *upstream, first_column=start
+            )
+        logits = compute_logits(x_kept, w_cols, b_cols, logits_16bit)
+        grad = _grad_buffer(logits, x_kept.dtype, plan.tiles)
+        plan.tiles.backward(logits, ys, lse_v, ent_v, plan.params, *upstream, grad, first_column=start)
+        return grad
+
     first = 0
     if kept is not None:
         first = kept.e.shape[1]
         add(0, first, fused.gradient(kept, ys, lse_v, ent_v, plan.params, x_kept.dtype, *upstream))
-    columns = plan_chunk_columns(n_valid, vocab - first, per_logit, plan.budget, fused.COLUMN_ALIGN)
+    align = _TILE_COLUMN_ALIGN if fused is None else fused.COLUMN_ALIGN
+    # 16-bit CPU logits: exact_mm_fp32 upcasts each chunk's gradient for dX (CPU has no float32-output GEMM)
+    per_logit = per_logit + 4 if logits_16bit else per_logit
+    columns = plan_chunk_columns(n_valid, vocab - first, per_logit, plan.budget, align)
     for start, end in _chunks(vocab - first, columns):
         start, end = first + start, min(first + end, vocab)
-        b_cols = None if bias is None else bias[start:end]
-        grad = fused.recompute_gradient(
-            x_kept, w_c[start:end], b_cols, ys, lse_v, ent_v, plan.params, *upstream, first_column=start
-        )
+        grad = recompute(start, end)
         add(start, end, grad)
         del grad
     dx = None if dx_acc is None else _scatter_rows(dx_acc.to(x.dtype), rows, x.shape[0])

@@ -92,6 +92,47 @@ def test_stats_gradients_and_chunking(reduction, budget):
     _compare(x, w, y, b, kw, grad_out_kind="random", stats_grads=True)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton", "ascend"])
+@pytest.mark.parametrize(
+    "names",
+    [(), ("label_smoothing", "class_weight", "bias"), ("softcap", "temperature", "z_loss")],
+    ids=["plain", "smoothing-weights-bias", "softcap-temperature-zloss"],
+)
+@pytest.mark.parametrize("ignored", ["some", "all"])
+def test_per_token_recompute_walks_the_vocabulary_in_column_chunks(backend, names, ignored):
+    """Past the budget, a per-token loss's backward recomputes the logits by vocabulary chunks on the tile path too:
+    every row per chunk, dW's rows written once, no [V, H] accumulator. V = 300 gives chunks of 128, 128 and 44
+    columns, with targets on each side of their edges."""
+    if backend != "torch" and torch.cuda.is_available():
+        pytest.skip("CPU tensors: the Triton backends run them in the interpreter only (CUDA covers them elsewhere)")
+    v = 300
+    x, w, y, b = _problem(n=40, h=16, v=v, bias="bias" in names)
+    y[1:8] = torch.tensor([0, 127, 128, 255, 256, 299, 143])
+    if ignored == "all":
+        y[:] = -100
+    kw = {name: OPTIONS[name] for name in names if name not in ("bias", "class_weight")}
+    if "class_weight" in names:
+        kw["class_weight"] = torch.rand(v) + 0.5
+    kw.update(reduction="none", memory_budget=40 * 128 * 4)
+    widths = []
+    real_logits = engine.compute_logits
+
+    def logits_of(x_rows, w_rows, *args):
+        widths.append(w_rows.shape[0])
+        return real_logits(x_rows, w_rows, *args)
+
+    with (
+        mock.patch.object(engine, "_recompute_by_columns", wraps=engine._recompute_by_columns) as by_columns,
+        mock.patch.object(engine, "compute_logits", side_effect=logits_of),
+        # the Ascend backend keeps up to 1 GiB of logits whatever the budget
+        mock.patch.object(engine, "_keep_limit", lambda plan, device: plan.budget),
+    ):
+        _compare(x, w, y, b, kw, grad_out_kind="random", stats_grads=True, backend=backend)
+    if ignored == "some":
+        assert by_columns.call_count == 1
+        assert widths[-3:] == [128, 128, 44]
+
+
 @pytest.mark.parametrize(
     "n,h,v",
     [(1, 8, 17), (2, 5, 257), (13, 7, 97), (64, 3, 1000), (0, 8, 11)],

@@ -81,8 +81,7 @@ class TileOps(Protocol):
     # Optional: ``fused_head``, a path that replaces the logits GEMM and these passes for calls it ``supports``:
     # ``forward`` (``keep_columns=``: e kept for the leading columns only, a multiple of ``COLUMN_ALIGN``),
     # ``gradient``, ``recompute_gradient`` (``first_column=``: a vocabulary chunk of the head's rows) and
-    # ``bytes_per_logit``, and ``recompute_by_columns()``, whether the engine's recomputing backward may walk the
-    # vocabulary in column chunks (``triton_gemm``).
+    # ``bytes_per_logit`` (``triton_gemm``).
     # Optional: ``residual_dw``, for calls it ``supports``, a ``ResidualDW`` that sums the chunks' dW into the 16-bit
     # gradient plus an int8 residual instead of a float32 accumulator (``triton_dw``).
     # Optional: ``gemm_min_capability``, the CUDA compute capability (major) below which the engine does not take
@@ -113,7 +112,10 @@ class TileOps(Protocol):
         grad_logprob: torch.Tensor | None,
         grad_entropy: torch.Tensor | None,
         grad_out: torch.Tensor,
+        first_column: int = 0,
     ) -> None:
         """Writes the logits gradient for per-row upstream gradients of loss, logprob and entropy
-        (each [rows] float32, or None for zero) into ``grad_out`` ([rows, V], may be ``logits`` itself)."""
+        (each [rows] float32, or None for zero) into ``grad_out`` ([rows, C], may be ``logits`` itself). ``logits``
+        may be a vocabulary chunk, ``[rows, C]``: the columns from ``first_column`` on, with ``lse`` and ``entropy``
+        the whole row's and ``params.vocab`` the whole vocabulary."""
         ...

@@ -178,7 +178,9 @@ class TorchTileOps:
                 t, tanh, e, sum_exp, safe_target, lse, entropy, params, grad_loss, None, None, grad_out, tmp
             )
 
-    def backward(self, logits, target, lse, entropy, params, grad_loss, grad_logprob, grad_entropy, grad_out) -> None:
+    def backward(
+        self, logits, target, lse, entropy, params, grad_loss, grad_logprob, grad_entropy, grad_out, first_column=0
+    ) -> None:
         for b, (t_buf, tanh_buf, p_buf, tmp) in _Blocks(logits, params, tmp=grad_entropy is not None):
             t, tanh = self._transform(logits[b], params, t_buf, tanh_buf)
             valid = target[b] != params.ignore_index
@@ -189,7 +191,9 @@ class TorchTileOps:
                 None if g is None else torch.where(valid, g[b].to(t.dtype), zero)
                 for g in (grad_loss, grad_logprob, grad_entropy)
             ]
-            self._write_grad(t, tanh, p, None, safe_target, lse[b], entropy[b], params, *masked, grad_out[b], tmp)
+            self._write_grad(
+                t, tanh, p, None, safe_target, lse[b], entropy[b], params, *masked, grad_out[b], tmp, first_column
+            )
 
     def _write_grad(
         self,
@@ -206,9 +210,12 @@ class TorchTileOps:
         grad_entropy,
         grad_out,
         tmp,
+        first_column=0,
     ):
         """The logits gradient of one block into ``grad_out``. ``e`` is the softmax times ``sum_exp`` per row (the
-        softmax itself when ``sum_exp`` is None); it is overwritten, and so are ``tanh`` and ``tmp``."""
+        softmax itself when ``sum_exp`` is None); it is overwritten, and so are ``tanh`` and ``tmp``. The block's
+        columns are the vocabulary's from ``first_column`` on (a vocabulary chunk: ``t``, ``lse`` and ``entropy``
+        are still the whole row's)."""
         eps, vocab = params.label_smoothing, params.vocab
         zeros = torch.zeros_like(lse)
         g_loss = zeros if grad_loss is None else grad_loss
@@ -231,12 +238,19 @@ class TorchTileOps:
             grad = e.mul_(torch.mul(t, -grad_entropy[:, None], out=tmp).add_(p_coef[:, None]))
         else:
             grad = e.mul_((p_coef if sum_exp is None else p_coef / sum_exp)[:, None])
+        if first_column or grad.shape[1] != vocab:
+            # the target's one-hot entry only where it falls in this vocabulary chunk
+            local = safe_target - first_column
+            in_chunk = (local >= 0) & (local < grad.shape[1])
+            safe_target = torch.where(in_chunk, local, 0)
+            onehot_coef = torch.where(in_chunk, onehot_coef, 0.0)
         grad.scatter_add_(1, safe_target[:, None], onehot_coef[:, None])
         if eps:
             if params.class_weight is None:
                 grad -= (g_loss * (eps / vocab))[:, None]
             else:
-                grad.addr_(g_loss * (eps / vocab), params.class_weight, alpha=-1.0)
+                class_weight = params.class_weight[first_column : first_column + grad.shape[1]]
+                grad.addr_(g_loss * (eps / vocab), class_weight, alpha=-1.0)
         if params.inv_temperature != 1.0:
             grad *= params.inv_temperature
         if tanh is not None:

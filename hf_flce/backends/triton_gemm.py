@@ -999,12 +999,6 @@ def _split_epilogue() -> bool:
     return os.environ.get("HF_FLCE_SPLIT_EPILOGUE", "1") != "0"
 
 
-def recompute_by_columns() -> bool:
-    """Whether a recomputing backward may walk the vocabulary in column chunks (``engine._recompute_by_columns``);
-    ``HF_FLCE_VOCAB_CHUNKS=0`` keeps row chunks (for A/B measurements)."""
-    return os.environ.get("HF_FLCE_VOCAB_CHUNKS", "1") != "0"
-
-
 def _gemm(
     x,
     weight,

@@ -248,6 +248,7 @@ def _tile_kernel(
     stride_gr,
     stride_gc,
     V,
+    col_offset,
     ignore_index,
     smoothing,
     smooth_over_v,
@@ -270,7 +271,8 @@ def _tile_kernel(
     """One row. STATS (forward): computes and stores the row's statistics, else (backward) reads its lse and
     entropy. Then, with any upstream gradient (HAS_GL, HAS_GLP, HAS_GE), writes
     d/dz of g_loss * loss + g_logprob * logp + g_entropy * H (see base.py). Ignored rows read no logits, and get
-    zero statistics and a zero gradient."""
+    zero statistics and a zero gradient. In backward the row's V logits may be a vocabulary chunk's, the columns from
+    ``col_offset`` on (STATS needs the whole row, ``col_offset`` 0)."""
     row = tl.program_id(0).to(tl.int64)
     y = tl.load(target_ptr + row * stride_y)
     valid = y != ignore_index
@@ -368,10 +370,10 @@ def _tile_kernel(
                 # Another warp's store below may land on elements this block reads: every load first.
                 tl.debug_barrier()
             t, dt = _transform(z, inv_softcap, t_scale, inv_temperature, HAS_SOFTCAP, HAS_TEMPERATURE)
-            g = logit_grad(fast_exp(t - lse), t, offs == y, p_coef, onehot_coef, g_entropy, HAS_GE)
+            g = logit_grad(fast_exp(t - lse), t, offs == y - col_offset, p_coef, onehot_coef, g_entropy, HAS_GE)
             if HAS_GL and HAS_SMOOTHING:
                 if HAS_WEIGHT:
-                    g -= smooth_coef * tl.load(weight_ptr + offs, mask=in_row, other=0.0)
+                    g -= smooth_coef * tl.load(weight_ptr + col_offset + offs, mask=in_row, other=0.0)
                 else:
                     g -= smooth_coef
             if HAS_SOFTCAP or HAS_TEMPERATURE:
@@ -471,10 +473,12 @@ class TritonTileOps:
         upstream: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
         grad_out: torch.Tensor | None,
         stats: TileStats | None,
+        first_column: int = 0,
     ) -> None:
         """Runs the kernel over every row: ``stats`` given, it fills them (and ``lse``, ``entropy``, which are its
-        fields); else it reads ``lse`` and ``entropy``. Any upstream gradient given, it writes ``grad_out``."""
-        rows = logits.shape[0]
+        fields); else it reads ``lse`` and ``entropy``. Any upstream gradient given, it writes ``grad_out``.
+        ``logits`` holds the vocabulary's columns from ``first_column`` on (backward only)."""
+        rows, n_cols = logits.shape
         if rows == 0:
             return
         if any(g is not None for g in upstream) and grad_out is None:
@@ -492,7 +496,7 @@ class TritonTileOps:
         grad = logits if grad_out is None else grad_out
         cw, cw_sum = params.class_weight, params.class_weight_sum
         softcap = params.softcap
-        block, num_warps = self._config(params.vocab, rows, logits.device)
+        block, num_warps = self._config(n_cols, rows, logits.device)
         with self._device_guard(logits.device):
             launch(
                 _tile_kernel,
@@ -513,7 +517,8 @@ class TritonTileOps:
                 grad,
                 grad.stride(0),
                 grad.stride(1),
-                params.vocab,
+                n_cols,
+                first_column,
                 params.ignore_index,
                 params.label_smoothing,
                 params.label_smoothing / params.vocab,
@@ -582,5 +587,7 @@ class TritonTileOps:
         grad_logprob: torch.Tensor | None,
         grad_entropy: torch.Tensor | None,
         grad_out: torch.Tensor,
+        first_column: int = 0,
     ) -> None:
-        self._launch(logits, target, params, lse, entropy, (grad_loss, grad_logprob, grad_entropy), grad_out, None)
+        upstream = (grad_loss, grad_logprob, grad_entropy)
+        self._launch(logits, target, params, lse, entropy, upstream, grad_out, None, first_column)

@@ -124,12 +124,13 @@ class AscendTileOps:
         grad_logprob: torch.Tensor | None,
         grad_entropy: torch.Tensor | None,
         grad_out: torch.Tensor,
+        first_column: int = 0,
     ) -> None:
-        rows, vocab = logits.shape
+        rows, n_cols = logits.shape
         if rows == 0:
             return
         grads = [_row_vector(g, rows) for g in (grad_loss, grad_logprob, grad_entropy)]
-        launch = plan_launch("backward", _lean(params), rows, vocab, logits.device)
+        launch = plan_launch("backward", _lean(params), rows, n_cols, logits.device)
         kernels.backward_kernel[(launch.programs,)](
             logits_ptr=logits,
             logits_stride=logits.stride(0),
@@ -143,6 +144,8 @@ class AscendTileOps:
             grad_entropy_ptr=logits if grads[2] is None else grads[2],
             extra_rows=launch.extra_rows,
             rows_per_program=launch.rows_per_program,
+            n_cols=n_cols,
+            col_offset=first_column,
             HAS_GRAD_LOSS=grads[0] is not None,
             HAS_GRAD_LOGPROB=grads[1] is not None,
             HAS_GRAD_ENTROPY=grads[2] is not None,

@@ -141,6 +141,8 @@ def backward_kernel(
     rows_per_program,
     extra_rows,
     vocab,
+    n_cols,
+    col_offset,
     ignore_index,
     eps,
     z_loss,
@@ -158,7 +160,8 @@ def backward_kernel(
 
     ``dL/dt_j = p_j (c - g_H t_j) + k [j == y] - g eps / V w_j`` with the row constants ``c`` and ``k`` below
     (see ``backends/base.py``), times ``dt/dz``. Each block is read before it is written, so ``grad`` may alias
-    ``logits``.
+    ``logits``. A row holds ``n_cols`` logits, the vocabulary's from ``col_offset`` on (all ``vocab`` of them but in
+    a vocabulary chunk).
     """
     pid = tl.program_id(0)
     row_start = pid * rows_per_program + tl.minimum(pid, extra_rows)
@@ -195,9 +198,9 @@ def backward_kernel(
         if HAS_GRAD_ENTROPY:
             g_h = tl.where(valid, tl.load(grad_entropy_ptr + row), 0.0)
             p_coef += g_h * (lse - tl.load(entropy_ptr + row))
-        for start in range(0, vocab, BLOCK):
+        for start in range(0, n_cols, BLOCK):
             offs = start + cols
-            mask = offs < vocab
+            mask = offs < n_cols
             t = tl.load(row_ptr + offs, mask=mask, other=0.0)
             if SOFTCAP:
                 th = _tanh(t / softcap)
@@ -208,10 +211,10 @@ def backward_kernel(
                 grad = p * (p_coef - g_h * t)
             else:
                 grad = p * p_coef
-            grad += tl.where(offs == y, onehot, 0.0)
+            grad += tl.where(offs == y - col_offset, onehot, 0.0)
             if SMOOTH:
                 if HAS_WEIGHT:
-                    grad -= g * eps / vocab * tl.load(weight_ptr + offs, mask=mask, other=0.0)
+                    grad -= g * eps / vocab * tl.load(weight_ptr + col_offset + offs, mask=mask, other=0.0)
                 else:
                     grad -= g * eps / vocab
             grad *= inv_temp
