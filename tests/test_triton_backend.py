@@ -14,13 +14,15 @@ if not torch.cuda.is_available():
 
 import itertools  # noqa: E402
 from dataclasses import replace  # noqa: E402
+from unittest import mock  # noqa: E402
 
 import pytest  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 import hf_flce  # noqa: E402
-from hf_flce.backends import triton_interpreting, triton_tiles  # noqa: E402
+from hf_flce import engine  # noqa: E402
+from hf_flce.backends import resolve_backend, triton_interpreting, triton_tiles  # noqa: E402
 from hf_flce.backends.base import TileParams  # noqa: E402
 from hf_flce.backends.torch_tiles import TorchTileOps  # noqa: E402
 from hf_flce.backends.triton_tiles import TritonTileOps  # noqa: E402
@@ -413,21 +415,26 @@ def rel_err(actual, expected):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize(
-    "n, h, v, dtype, budget",
+    "n, h, v, dtype, budget, tile_path",
     [
-        (8192, 4096, 128256, torch.bfloat16, None),
-        (4096, 2048, 128256, torch.float32, None),
+        (8192, 4096, 128256, torch.bfloat16, None, False),
+        # cuBLAS logits and the tile passes, as before Hopper: the per-token backward in vocabulary chunks, each
+        # chunk's bf16 gradient written over its float32 logits
+        (8192, 4096, 128256, torch.bfloat16, None, True),
+        (4096, 2048, 128256, torch.float32, None, False),
         # one chunk of N * V = 2.18e9 > 2**31 logits: the kernels' row offsets must be 64-bit
-        (17000, 256, 128256, torch.bfloat16, 24 << 30),
+        (17000, 256, 128256, torch.bfloat16, 24 << 30, False),
     ],
-    ids=["llama3-bf16", "fp32", "over-2**31"],
+    ids=["llama3-bf16", "llama3-bf16-tile-path", "fp32", "over-2**31"],
 )
-def test_gpu_real_sizes(n, h, v, dtype, budget, monkeypatch):
+def test_gpu_real_sizes(n, h, v, dtype, budget, tile_path, monkeypatch):
     # Tolerances. fp32: the same fp32 GEMMs as the reference, so ~1e-5 on everything. bf16: the logits are exact
     # (fp32 output of the same bf16 GEMM), so the loss and log-probs match to ~1e-5; the gradients are rounded to
     # bf16 (the logits gradient, then dX and dW themselves: 2**-9 relative each), so norm-relative errors of
     # about 3e-3 are expected, and 1e-2 is allowed.
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    if tile_path:
+        monkeypatch.setattr(resolve_backend("triton", torch.device("cuda")), "fused_head", None)
     gen = torch.Generator(device="cuda").manual_seed(0)
     hidden = torch.randn(n, h, device="cuda", generator=gen).to(dtype)
     weight = (torch.randn(v, h, device="cuda", generator=gen) * (2.0 / h**0.5)).to(dtype)
@@ -439,12 +446,16 @@ def test_gpu_real_sizes(n, h, v, dtype, budget, monkeypatch):
     # mean: gradients computed in forward; none: per-token upstream, through the backward kernel
     for reduction in ("mean", "none"):
         x, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-        loss, stats = hf_flce.fused_linear_cross_entropy(
-            x, w, target, backend="triton", reduction=reduction, return_stats=True, memory_budget=budget
-        )
-        if reduction == "none":
-            loss = loss.sum() / count
-        loss.backward()
+        with mock.patch.object(engine, "_recompute_by_columns", wraps=engine._recompute_by_columns) as by_columns:
+            loss, stats = hf_flce.fused_linear_cross_entropy(
+                x, w, target, backend="triton", reduction=reduction, return_stats=True, memory_budget=budget
+            )
+            if reduction == "none":
+                loss = loss.sum() / count
+            loss.backward()
+        # past the default 1 GiB the per-token backward recomputes by vocabulary chunks (all of them on the tile path,
+        # those past the kept leading columns on the Hopper GEMM); 24 GiB keeps every logit
+        assert by_columns.called == (reduction == "none" and budget is None), reduction
         assert abs(loss.item() - ref_loss.item()) <= 1e-5 * abs(ref_loss.item()), reduction
         assert rel_err(stats.logprobs, ref_logprobs) <= 2e-5, reduction
         assert rel_err(x.grad, ref_dx) <= grad_tol, reduction
