@@ -967,8 +967,9 @@ def _recompute_by_columns(
         first = kept.e.shape[1]
         add(0, first, fused.gradient(kept, ys, lse_v, ent_v, plan.params, x_kept.dtype, *upstream))
     align = _TILE_COLUMN_ALIGN if fused is None else fused.COLUMN_ALIGN
-    # 16-bit CPU logits: exact_mm_fp32 upcasts each chunk's gradient for dX (CPU has no float32-output GEMM)
-    per_logit = per_logit + 4 if logits_16bit else per_logit
+    # where the GEMM has no float32 output (CPU, NPU), exact_mm_fp32 upcasts each chunk's 16-bit gradient for dX
+    if x_kept.dtype.itemsize == 2 and not _fp32_out(x_kept):
+        per_logit += 4
     columns = plan_chunk_columns(n_valid, vocab - first, per_logit, plan.budget, align)
     for start, end in _chunks(vocab - first, columns):
         start, end = first + start, min(first + end, vocab)

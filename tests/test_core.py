@@ -133,6 +133,23 @@ def test_per_token_recompute_walks_the_vocabulary_in_column_chunks(backend, name
         assert widths[-3:] == [128, 128, 44]
 
 
+def test_cpu_16bit_column_chunks_budget_the_upcast_gradient():
+    """On CPU the recomputed chunk's logits stay bf16 (2 bytes per logit, the gradient written over them), and dX's
+    exact product upcasts that gradient to float32: 6 bytes per logit in all, so a budget of 256 columns at that size
+    gives chunks of 256 columns, not the 768 that 2 bytes would allow."""
+    x, w, y, _ = _problem(n=64, h=16, v=1024, dtype=torch.bfloat16, ignore_every=0)
+    widths = []
+    real_logits = engine.compute_logits
+
+    def logits_of(x_rows, w_rows, *args):
+        widths.append(w_rows.shape[0])
+        return real_logits(x_rows, w_rows, *args)
+
+    with mock.patch.object(engine, "compute_logits", side_effect=logits_of):
+        _compare(x, w, y, None, {"reduction": "none", "memory_budget": 64 * 6 * 256}, "random", rtol=2e-2)
+    assert widths[-4:] == [256] * 4  # after the forward's GEMM
+
+
 @pytest.mark.parametrize(
     "n,h,v",
     [(1, 8, 17), (2, 5, 257), (13, 7, 97), (64, 3, 1000), (0, 8, 11)],
