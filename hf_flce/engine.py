@@ -967,8 +967,9 @@ def _recompute_by_columns(
         first = kept.e.shape[1]
         add(0, first, fused.gradient(kept, ys, lse_v, ent_v, plan.params, x_kept.dtype, *upstream))
     align = _TILE_COLUMN_ALIGN if fused is None else fused.COLUMN_ALIGN
-    # where the GEMM has no float32 output (CPU, NPU), exact_mm_fp32 upcasts each chunk's 16-bit gradient for dX
-    if x_kept.dtype.itemsize == 2 and not _fp32_out(x_kept):
+    # on the tile path where the GEMM has no float32 output (CPU, NPU), exact_mm_fp32 upcasts each chunk's 16-bit
+    # gradient for dX (the epilogue GEMM runs on CUDA, where it has one)
+    if fused is None and x_kept.dtype.itemsize == 2 and not _fp32_out(x_kept):
         per_logit += 4
     columns = plan_chunk_columns(n_valid, vocab - first, per_logit, plan.budget, align)
     for start, end in _chunks(vocab - first, columns):
