@@ -13,16 +13,28 @@ as prompt (label -100); ``model(input_ids, labels=labels).loss``, backward, opti
 Each provider runs in its own fresh process (class-level patches cannot leak, and memory starts clean); inside it,
 every model and token count is built afresh from the same seed. Reported: tokens/s (tokens per step over the median
 step time, after warm-up steps that also allocate the optimizer state), peak allocated memory over all steps (weights,
-gradients and optimizer state included), and the step losses (the first should agree across providers). Out of
-memory is caught and reported as ``OOM``.
+gradients and optimizer state included), and the step losses. The first step's loss is also computed with the head
+in float64 on the same bf16 hidden states (``exact_loss``): every provider shares the backbone, so its first loss
+minus that one is its head's error. Out of memory is caught and reported as ``OOM``.
 
-Output under ``--out``: ``training.json``, ``training.md`` and ``training.png``. ``--device cpu`` runs tiny configs
-as a smoke test.
+``--task dpo`` times a DPO step instead (TRL 1.16's ``DPOTrainer`` step without the trainer): each batch is
+``[chosen; rejected]`` sequences of ``--seq`` tokens (2048) that share their prompt (the first quarter, label -100);
+the policy's per-token log-probabilities with gradients, the reference model's (built from another seed) under
+``torch.no_grad``, the sigmoid loss with beta 0.1, backward, optimizer step:
+  stock  full logits of both models and TRL's ``selective_log_softmax`` (TRL's DPO before its fused head)
+  liger  ``liger_kernel.chunked_loss.LigerFusedLinearDPOLoss`` on both backbones' hidden states
+  trl    ``add_fused_lm_head`` on both models, the policy's with the fields ``DPOTrainer`` asks for (TRL's default)
+  ours   ``hf_flce.trainers.add_flce_lm_head`` in the same places, with ``FLCEDPOTrainer``'s default budget (half the
+         op's: the policy's head keeps what it keeps for backward through the reference's forward)
+
+Output under ``--out``: ``training.json``, ``training.md`` and ``training.png`` (``training_dpo.*`` for
+``--task dpo``). ``--device cpu`` runs tiny configs as a smoke test.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect
 import json
 import sys
@@ -39,6 +51,10 @@ import bench_common as bc  # noqa: E402
 
 IGNORE = -100
 PROVIDERS = ("stock", "liger", "trl", "ours", "ours_lean")
+DPO_PROVIDERS = ("stock", "liger", "trl", "ours")
+DPO_BETA = 0.1
+# The per-token fields TRL 1.16's DPOTrainer asks of the policy's fused head (its reference asks for log_probs only).
+DPO_POLICY_OUTPUTS = ("log_probs", "entropy", "mean_logits", "is_top1")
 CUDA_ONLY = {"liger": "n/a: Liger's kernels need CUDA", "ours_lean": "n/a: the residual dW GEMM is a CUDA kernel"}
 
 _TINY = {
@@ -109,6 +125,8 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "gpu": {"models": ["qwen2.5-1.5b", "llama3.2-1b", "qwen3-0.6b"], "tokens": [8192, 32768], "seq": 4096},
     "cpu": {"models": ["tiny-llama", "tiny-qwen3"], "tokens": [256], "seq": 128},
 }
+# DPO batches: sequences of 2048 tokens (a common max_length), chosen and rejected in equal numbers.
+DPO_SEQ = {"gpu": 2048, "cpu": 64}
 
 
 def make_model(name: str, dev: bc.Device, dtype: torch.dtype, seed: int):
@@ -128,6 +146,18 @@ def make_batch(vocab: int, tokens: int, seq: int, dev: bc.Device, seed: int) -> 
     ids = torch.randint(0, vocab, (max(1, tokens // seq), seq), device=dev.torch_device, generator=gen)
     labels = ids.clone()
     labels[:, : seq // 4] = IGNORE
+    return ids, labels
+
+
+def make_preference_batch(
+    vocab: int, tokens: int, seq: int, dev: bc.Device, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[chosen; rejected]``: ``make_batch``'s sequences, at least two and an even number, the second half with the
+    first half's prompts."""
+    ids, labels = make_batch(vocab, max(tokens, 2 * seq), seq, dev, seed)
+    pairs = ids.shape[0] // 2
+    ids, labels = ids[: 2 * pairs].clone(), labels[: 2 * pairs].clone()
+    ids[pairs:, : seq // 4] = ids[:pairs, : seq // 4]
     return ids, labels
 
 
@@ -163,12 +193,96 @@ def patch(provider: str, model) -> Callable[[torch.Tensor, torch.Tensor], torch.
     return bc.with_residual_dw(loss_fn) if provider == "ours_lean" else loss_fn
 
 
+def _sigmoid_dpo_loss(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
+    chosen, rejected = (logps - ref_logps).chunk(2)
+    return -torch.nn.functional.logsigmoid(DPO_BETA * (chosen - rejected)).mean()
+
+
+def patch_dpo(provider: str, policy, ref) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Patch ``policy`` and the frozen ``ref`` for ``provider``; returns ``loss_fn(ids, labels)``, the sigmoid DPO loss
+    of a ``[chosen; rejected]`` batch."""
+    if provider == "liger":
+        from liger_kernel.chunked_loss import LigerFusedLinearDPOLoss
+
+        dpo = LigerFusedLinearDPOLoss(ignore_index=IGNORE, beta=DPO_BETA, use_ref_model=True, average_log_prob=False)
+
+        def liger_loss(ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            hidden = policy.model(input_ids=ids).last_hidden_state[:, :-1]
+            with torch.no_grad():
+                ref_hidden = ref.model(input_ids=ids).last_hidden_state[:, :-1]
+            target = labels[:, 1:].contiguous()
+            return dpo(policy.lm_head.weight, hidden, target, ref_input=ref_hidden, ref_weight=ref.lm_head.weight)[0]
+
+        return liger_loss
+    if provider == "stock":
+        from trl.trainer.utils import selective_log_softmax
+
+        def sequence_logps(model, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            target = labels[:, 1:]
+            mask = target != IGNORE
+            logps = selective_log_softmax(model(input_ids=ids).logits[:, :-1], target.masked_fill(~mask, 0))
+            return (logps * mask).sum(1)
+    elif provider in ("trl", "ours"):
+        if provider == "trl":
+            from trl.trainer.utils import add_fused_lm_head as add_head
+        else:
+            from hf_flce.trainers import add_flce_lm_head
+            from hf_flce.trainers.dpo import DPO_BUDGET_FRACTION
+
+            add_head = functools.partial(add_flce_lm_head, budget_fraction=DPO_BUDGET_FRACTION)
+        add_head(policy, outputs=DPO_POLICY_OUTPUTS)
+        add_head(ref)
+
+        def sequence_logps(model, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            return model(input_ids=ids, labels=labels, fused_lm_head=True).log_probs.sum(1)
+    else:
+        raise ValueError(f"unknown DPO provider {provider!r}")
+
+    def loss_fn(ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logps = sequence_logps(policy, ids, labels)
+        with torch.no_grad():
+            ref_logps = sequence_logps(ref, ids, labels)
+        return _sigmoid_dpo_loss(logps, ref_logps)
+
+    return loss_fn
+
+
+@torch.no_grad()
+def exact_first_loss(task: str, policy, ref, ids: torch.Tensor, labels: torch.Tensor) -> float:
+    """The first step's loss with the head (``lm_head`` and log-softmax) in float64, on the bf16 backbone's hidden
+    states of the whole batch, one sequence's logits at a time."""
+
+    def sequence_logps(model) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = model.model(input_ids=ids).last_hidden_state[:, :-1]
+        weight = model.lm_head.weight.double()
+        sums, counts = [], []
+        for row_hidden, row_labels in zip(hidden, labels[:, 1:]):
+            kept = row_labels != IGNORE
+            logps = (row_hidden[kept].double() @ weight.T).log_softmax(-1)
+            sums.append(logps.gather(1, row_labels[kept][:, None]).sum())
+            counts.append(kept.sum())
+        return torch.stack(sums), torch.stack(counts)
+
+    logps, counts = sequence_logps(policy)
+    if task == "dpo":
+        return float(_sigmoid_dpo_loss(logps, sequence_logps(ref)[0]))
+    return float(-logps.sum() / counts.sum().clamp(min=1))
+
+
 def train_config(provider: str, name: str, tokens: int, args: argparse.Namespace, dev: bc.Device) -> dict[str, Any]:
     model = make_model(name, dev, torch.bfloat16, args.seed)
-    loss_fn = patch(provider, model)
+    vocab = model.config.vocab_size
+    ref = None
+    if args.task == "dpo":
+        ref = make_model(name, dev, torch.bfloat16, args.seed + 7).eval().requires_grad_(False)
+        ids, labels = make_preference_batch(vocab, tokens, args.seq, dev, args.seed)
+    else:
+        ids, labels = make_batch(vocab, tokens, args.seq, dev, args.seed)
+    exact_loss = exact_first_loss(args.task, model, ref, ids, labels)
+    dev.free()
+    loss_fn = patch_dpo(provider, model, ref) if args.task == "dpo" else patch(provider, model)
     param_bytes = sum(p.nbytes for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True if dev.kind == "cuda" else None)
-    ids, labels = make_batch(model.config.vocab_size, tokens, args.seq, dev, args.seed)
     losses: list[torch.Tensor] = []
 
     def step() -> None:
@@ -195,6 +309,7 @@ def train_config(provider: str, name: str, tokens: int, args: argparse.Namespace
         "tokens_per_s": real_tokens / (step_ms / 1e3),
         "param_bytes": param_bytes,
         "losses": [float(x) for x in losses],
+        "exact_loss": exact_loss,
         **memory,
     }
 
@@ -229,13 +344,16 @@ def render_tables(data: dict[str, Any]) -> str:
     by = {(r["model"], r["tokens"], r["provider"]): r for r in rows_in}
     mem_key = "peak_bytes" if data["env"]["device"] != "cpu" else "rss_extra_bytes"
     mem_label = "peak GiB" if mem_key == "peak_bytes" else "peak RSS Δ GiB"
-    parts = [f"# Training-step benchmark: {data['env']['device_name']} ({data['env']['device']})", ""]
+    task = data["args"].get("task", "sft").upper()
+    parts = [f"# Training-step benchmark, {task}: {data['env']['device_name']} ({data['env']['device']})", ""]
     parts.append("Versions: " + ", ".join(f"{k} {v}" for k, v in data["env"]["packages"].items() if v))
-    parts.append(f"Cells: tokens/s · {mem_label}. Loss Δ: first-step loss minus stock's.")
+    parts.append(
+        f"Cells: tokens/s · {mem_label}. Head error: first-step loss minus the same loss with the head in float64 on"
+        " the same bf16 hidden states."
+    )
     parts.append("")
     rows = []
     for model, tokens in dict.fromkeys((r["model"], r["tokens"]) for r in rows_in):
-        stock = by.get((model, tokens, "stock"), {})
         cells, deltas = [], []
         for p in providers:
             r = by.get((model, tokens, p), {})
@@ -243,10 +361,10 @@ def render_tables(data: dict[str, Any]) -> str:
                 cells.append(str(r.get("status", "")))
                 continue
             cells.append(f"{r['tokens_per_s'] / 1e3:.1f}k · {bc.fmt_gb(r.get(mem_key))}")
-            if p != "stock" and stock.get("status") == "ok" and r["losses"] and stock["losses"]:
-                deltas.append(f"{p} {r['losses'][0] - stock['losses'][0]:+.1e}")
+            if r["losses"] and r.get("exact_loss") is not None:
+                deltas.append(f"{p} {r['losses'][0] - r['exact_loss']:+.1e}")
         rows.append([model, tokens, *cells, ", ".join(deltas)])
-    parts.append(bc.markdown_table(["model", "tokens", *providers, "loss Δ"], rows))
+    parts.append(bc.markdown_table(["model", "tokens", *providers, "head error"], rows))
     return "\n".join(parts) + "\n"
 
 
@@ -275,8 +393,13 @@ def render_plots(data: dict[str, Any], path: Path) -> None:
     bc.save_figure(fig, path)
 
 
+def report_stem(task: str) -> str:
+    return "training" if task == "sft" else f"training_{task}"
+
+
 def finish(data: dict[str, Any], out: Path) -> None:
-    bc.finish_report(data, out, "training", render_tables, render_plots)
+    task = data["args"].get("task", "sft")
+    bc.finish_report(data, out, report_stem(task), render_tables, render_plots)
 
 
 # ---------------------------------------------------------------- CLI
@@ -284,10 +407,13 @@ def finish(data: dict[str, Any], out: Path) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = bc.base_parser(__doc__, "training")
+    p.add_argument("--task", choices=("sft", "dpo"), default="sft", help="the step timed (default sft)")
     p.add_argument("--models", help=f"comma list from {list(MODELS)}")
     p.add_argument("--tokens", help="comma list of tokens per step (default 8192,32768; CPU 256)")
-    p.add_argument("--seq", type=int, help="sequence length (default 4096; CPU 128)")
-    p.add_argument("--providers", default=",".join(PROVIDERS))
+    p.add_argument("--seq", type=int, help="sequence length (default 4096, CPU 128; dpo 2048, CPU 64)")
+    p.add_argument(
+        "--providers", help=f"comma list (default: sft {','.join(PROVIDERS)}; dpo {','.join(DPO_PROVIDERS)})"
+    )
     p.add_argument("--steps", type=int, help="timed steps (default 5, quick 2); warm-up default 2, quick 1")
     p.add_argument("--timeout", type=float, default=None, help="seconds per provider process")
     p.add_argument("--no-isolate", action="store_true", help="run every provider in this process (CPU smoke tests)")
@@ -300,11 +426,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         p.error(f"unknown models {unknown}; choose from {list(MODELS)}")
     args.tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else defaults["tokens"]
-    args.seq = args.seq or defaults["seq"]
-    args.providers = [x for x in args.providers.split(",") if x]
-    bad = [x for x in args.providers if x not in PROVIDERS]
+    kind = "cpu" if args.device == "cpu" else "gpu"
+    args.seq = args.seq or (DPO_SEQ[kind] if args.task == "dpo" else defaults["seq"])
+    known = DPO_PROVIDERS if args.task == "dpo" else PROVIDERS
+    args.providers = [x for x in args.providers.split(",") if x] if args.providers else list(known)
+    bad = [x for x in args.providers if x not in known]
     if bad:
-        p.error(f"unknown providers {bad}; choose from {list(PROVIDERS)}")
+        p.error(f"unknown providers {bad} for --task {args.task}; choose from {list(known)}")
     args.steps = args.steps if args.steps is not None else 2 if args.quick else 5
     args.warmup = args.warmup if args.warmup is not None else 1 if args.quick else 2
     return args
@@ -315,6 +443,8 @@ def worker_argv(provider: str, args: argparse.Namespace) -> list[str]:
         str(Path(__file__).resolve()),
         "--worker",
         provider,
+        "--task",
+        args.task,
         "--device",
         args.device,
         "--models",
@@ -365,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
                 row["provider"] = provider
                 print(f"[train] {row['model']} {row['tokens']} {provider}: {row['status']}", flush=True)
         data["results"] += res["results"]
-        bc.write_json(out / "training.json", data)
+        bc.write_json(out / f"{report_stem(args.task)}.json", data)
     finish(data, out)
     return 0
 

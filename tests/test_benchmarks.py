@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -117,10 +118,63 @@ def test_training_benchmark_cpu(tmp_path: Path) -> None:
     for name in ("stock", "ours"):
         assert rows[name]["status"] == "ok", rows[name]
         assert rows[name]["tokens_per_s"] > 0 and rows[name]["tokens_per_step"] == 128
-    # Same seed, same model, same batch: the first-step losses agree.
+    # Same seed, same model, same batch: the first-step losses agree, and each is near the float64 head's.
     assert abs(rows["ours"]["losses"][0] - rows["stock"]["losses"][0]) < 1e-2
+    for name in ("stock", "ours"):
+        assert abs(rows[name]["losses"][0] - rows[name]["exact_loss"]) < 1e-2
+    assert rows["ours"]["exact_loss"] == rows["stock"]["exact_loss"]
     assert "tiny-llama" in (tmp_path / "training.md").read_text()
     assert (tmp_path / "training.png").stat().st_size > 0
+
+
+def test_training_benchmark_dpo_step_smoke(tmp_path: Path) -> None:
+    training = _load("benchmark_training")
+    argv = ["--device", "cpu", "--task", "dpo", "--models", "tiny-qwen3", "--tokens", "128", "--seq", "32"]
+    argv += ["--steps", "1", "--warmup", "1", "--providers", "stock,trl,ours", "--no-isolate", "--threads", "1"]
+    argv += ["--out", str(tmp_path)]
+    assert training.main(argv) == 0
+    data = json.loads((tmp_path / "training_dpo.json").read_text())
+    rows = _by_provider(data["results"])
+    for name in ("stock", "trl", "ours"):
+        assert rows[name]["status"] == "ok", rows[name]
+        assert rows[name]["tokens_per_step"] == 128
+    # The first step's loss against the same models and batch in float64. The reference differs from the policy, so
+    # it is not log 2. TRL's fused head and ours match it to the bf16 backbone's rounding; stock's log-softmax runs on
+    # bf16 logits and misses by up to ~5e-2.
+    dev = training.bc.Device("cpu")
+    policy = training.make_model("tiny-qwen3", dev, torch.bfloat16, 0).double()
+    ref = training.make_model("tiny-qwen3", dev, torch.bfloat16, 7).double()
+    ids, labels = training.make_preference_batch(policy.config.vocab_size, 128, 32, dev, 0)
+
+    def sequence_logps(model):
+        target = labels[:, 1:]
+        logps = model(input_ids=ids).logits[:, :-1].log_softmax(-1).gather(-1, target.clamp(min=0)[..., None])[..., 0]
+        return (logps * (target != training.IGNORE)).sum(1)
+
+    with torch.no_grad():
+        exact = float(training._sigmoid_dpo_loss(sequence_logps(policy), sequence_logps(ref)))
+    first = {name: rows[name]["losses"][0] for name in rows}
+    assert abs(exact - math.log(2)) > 1e-2
+    # The script's own float64 head on the bf16 hidden states: near the all-float64 loss, and near ours and TRL's.
+    assert abs(rows["ours"]["exact_loss"] - exact) < 2e-3
+    assert (
+        abs(first["ours"] - rows["ours"]["exact_loss"]) < 1e-3 and abs(first["trl"] - rows["trl"]["exact_loss"]) < 1e-3
+    )
+    assert abs(first["ours"] - exact) < 2e-3 and abs(first["trl"] - exact) < 2e-3, (first, exact)
+    assert abs(first["stock"] - exact) < 1e-1, (first, exact)
+    assert "DPO" in (tmp_path / "training_dpo.md").read_text()
+    with pytest.raises(SystemExit):
+        training.main([*argv[:-2], "--providers", "ours_lean", "--out", str(tmp_path)])
+
+
+def test_preference_batch_shares_prompts() -> None:
+    training = _load("benchmark_training")
+    dev = training.bc.Device("cpu")
+    ids, labels = training.make_preference_batch(500, 100, 16, dev, seed=3)
+    assert ids.shape == (6, 16)
+    assert torch.equal(ids[3:, :4], ids[:3, :4])
+    assert not torch.equal(ids[3:, 4:], ids[:3, 4:])
+    assert (labels[:, :4] == training.IGNORE).all() and torch.equal(labels[:, 4:], ids[:, 4:])
 
 
 class _FakeGPU:
