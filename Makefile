@@ -49,6 +49,7 @@ format: venv
 bench: venv
 	$(PY) scripts/benchmark_kernel.py --out outputs/bench
 	$(PY) scripts/benchmark_training.py --out outputs/bench
+	$(PY) scripts/benchmark_training.py --task dpo --out outputs/bench
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache
