@@ -934,6 +934,12 @@ def _recompute_by_columns(
     vocab = w_c.shape[0]
     logits_16bit = fused is None and _logits_16bit(plan, x, bias)
     x_kept = _chunk_rows(x, rows, 0, n_valid, plan)
+    # dW in a weight dtype other than the gradient's is an exact float32 product; with no float32-output GEMM (CPU,
+    # NPU) that upcasts its operands, so the rows are upcast once here and their bytes come out of the chunks' budget
+    x_dw = x_kept
+    if need_dw and weight_dtype != x_kept.dtype and not _fp32_out(x_kept):
+        x_dw = x_kept.float()
+    upcast_rows_bytes = 0 if x_dw is x_kept else x_dw.numel() * 4
     dx_acc = None
     dw = torch.empty(w_c.shape, dtype=weight_dtype, device=w_c.device) if need_dw else None
     db = torch.empty(vocab, dtype=torch.float32, device=w_c.device) if need_db else None
@@ -947,7 +953,7 @@ def _recompute_by_columns(
         if dw is not None and weight_dtype == grad.dtype:
             torch.mm(grad.t(), x_kept, out=dw[start:end])
         elif dw is not None:
-            dw[start:end] = exact_mm_fp32(grad.t(), x_kept)
+            dw[start:end] = exact_mm_fp32(grad.t(), x_dw)
         if db is not None:
             db[start:end] = grad.sum(0, dtype=torch.float32)
 
@@ -971,7 +977,7 @@ def _recompute_by_columns(
     # gradient for dX (the epilogue GEMM runs on CUDA, where it has one)
     if fused is None and x_kept.dtype.itemsize == 2 and not _fp32_out(x_kept):
         per_logit += 4
-    columns = plan_chunk_columns(n_valid, vocab - first, per_logit, plan.budget, align)
+    columns = plan_chunk_columns(n_valid, vocab - first, per_logit, max(1, plan.budget - upcast_rows_bytes), align)
     for start, end in _chunks(vocab - first, columns):
         start, end = first + start, min(first + end, vocab)
         grad = recompute(start, end)

@@ -150,6 +150,44 @@ def test_cpu_16bit_column_chunks_budget_the_upcast_gradient():
     assert widths[-4:] == [256] * 4  # after the forward's GEMM
 
 
+def test_cpu_autocast_column_chunks_upcast_the_rows_once_within_the_budget():
+    """Under bf16 autocast with float32 weights, a recomputing backward's dW rows are an exact float32 product, which
+    CPU upcasts: the kept rows are upcast once (not per chunk), and their float32 bytes come out of the chunks'
+    budget. The budget here allows 384 columns of 6 bytes per logit plus those rows; 256 once they are paid for."""
+    n, h, v = 64, 16, 2048
+    x, w, y, _ = _problem(n=n, h=h, v=v, ignore_every=0)
+    budget = n * 6 * 384 - 1 + n * h * 4
+    xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+    widths, upcasts = [], []
+    real_logits, real_float = engine.compute_logits, torch.Tensor.float
+
+    def logits_of(x_rows, w_rows, *args):
+        widths.append(w_rows.shape[0])
+        return real_logits(x_rows, w_rows, *args)
+
+    def counted_float(t):
+        if t.dtype == torch.bfloat16 and t.shape == (n, h):
+            upcasts.append(t.shape)
+        return real_float(t)
+
+    weights = torch.randn(n)
+    with mock.patch.object(engine, "compute_logits", side_effect=logits_of):
+        with mock.patch.object(torch.Tensor, "float", counted_float):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                losses = hf_flce.fused_linear_cross_entropy(xs, ws, y, reduction="none", memory_budget=budget)
+            (losses * weights).sum().backward()
+    assert [w for w in widths if w != v] == [256] * 8 and len(upcasts) == 1  # the forward's logits are whole rows
+    assert ws.grad.dtype == torch.float32 and xs.grad.dtype == torch.float32
+    # against float64 on the operands autocast gives the GEMMs
+    xr = x.bfloat16().double().requires_grad_()
+    wr = w.bfloat16().double().requires_grad_()
+    ref, _ = reference_linear_cross_entropy(xr, wr, y, reduction="none")
+    (ref * weights.double()).sum().backward()
+    torch.testing.assert_close(losses.double(), ref, rtol=2e-2, atol=2e-2)
+    for got, want in ((ws.grad, wr.grad), (xs.grad, xr.grad)):
+        assert ((got.double() - want).norm() / want.norm()) < 1e-2
+
+
 @pytest.mark.parametrize(
     "n,h,v",
     [(1, 8, 17), (2, 5, 257), (13, 7, 97), (64, 3, 1000), (0, 8, 11)],
