@@ -16,6 +16,10 @@ BACKENDS = ("auto", "torch", "triton", "ascend")
 DEFAULT_BUDGET_ACCELERATOR = 1 << 30
 DEFAULT_BUDGET_CPU = 256 << 20
 BUDGET_ENV = "HF_FLCE_MEMORY_BUDGET"
+# Inside a model (the patched forwards, the trainers' heads) the default is half the op's: there the head's buffers
+# add to the activations at the training step's peak, and the step takes many times the head's time, so the smaller
+# chunks cost no measurable speed (docs/PERF_NOTES.md v25).
+IN_MODEL_BUDGET_DIVISOR = 2
 
 
 @dataclass(frozen=True)
@@ -57,16 +61,34 @@ class FLCEOptions:
     def budget_bytes(self, device: torch.device) -> int:
         if self.memory_budget is not None:
             return self.memory_budget
-        env = os.environ.get(BUDGET_ENV)
-        if env:
-            try:
-                value = int(env)
-            except ValueError:
-                raise ValueError(f"{BUDGET_ENV} must be an integer number of bytes, got {env!r}") from None
-            if value <= 0:
-                raise ValueError(f"{BUDGET_ENV} must be > 0, got {value}")
-            return value
+        env = _env_budget()
+        if env is not None:
+            return env
         return DEFAULT_BUDGET_CPU if device.type == "cpu" else DEFAULT_BUDGET_ACCELERATOR
+
+
+def in_model_budget(memory_budget: int | None, device: torch.device) -> int:
+    """The budget of a head inside a model on ``device``: ``memory_budget`` or ``HF_FLCE_MEMORY_BUDGET`` when set,
+    else the op's default divided by ``IN_MODEL_BUDGET_DIVISOR`` (512 MiB on accelerators, 128 MiB on CPU)."""
+    if memory_budget is not None:
+        return memory_budget
+    env = _env_budget()
+    if env is not None:
+        return env
+    return FLCEOptions().budget_bytes(device) // IN_MODEL_BUDGET_DIVISOR
+
+
+def _env_budget() -> int | None:
+    env = os.environ.get(BUDGET_ENV)
+    if not env:
+        return None
+    try:
+        value = int(env)
+    except ValueError:
+        raise ValueError(f"{BUDGET_ENV} must be an integer number of bytes, got {env!r}") from None
+    if value <= 0:
+        raise ValueError(f"{BUDGET_ENV} must be > 0, got {value}")
+    return value
 
 
 def _check_real(name: str, value: object) -> None:

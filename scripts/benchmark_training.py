@@ -24,8 +24,7 @@ the policy's per-token log-probabilities with gradients, the reference model's (
   stock  full logits of both models and TRL's ``selective_log_softmax`` (TRL's DPO before its fused head)
   liger  ``liger_kernel.chunked_loss.LigerFusedLinearDPOLoss`` on both backbones' hidden states
   trl    ``add_fused_lm_head`` on both models, the policy's with the fields ``DPOTrainer`` asks for (TRL's default)
-  ours   ``hf_flce.trainers.add_flce_lm_head`` in the same places, with ``FLCEDPOTrainer``'s default budget (half the
-         op's: the policy's head keeps what it keeps for backward through the reference's forward)
+  ours   ``hf_flce.trainers.add_flce_lm_head`` in the same places (what ``FLCEDPOTrainer`` does)
 
 Output under ``--out``: ``training.json``, ``training.md`` and ``training.png`` (``training_dpo.*`` for
 ``--task dpo``). ``--device cpu`` runs tiny configs as a smoke test.
@@ -34,7 +33,6 @@ Output under ``--out``: ``training.json``, ``training.md`` and ``training.png`` 
 from __future__ import annotations
 
 import argparse
-import functools
 import inspect
 import json
 import sys
@@ -226,10 +224,7 @@ def patch_dpo(provider: str, policy, ref) -> Callable[[torch.Tensor, torch.Tenso
         if provider == "trl":
             from trl.trainer.utils import add_fused_lm_head as add_head
         else:
-            from hf_flce.trainers import add_flce_lm_head
-            from hf_flce.trainers.dpo import DPO_BUDGET_FRACTION
-
-            add_head = functools.partial(add_flce_lm_head, budget_fraction=DPO_BUDGET_FRACTION)
+            from hf_flce.trainers import add_flce_lm_head as add_head
         add_head(policy, outputs=DPO_POLICY_OUTPUTS)
         add_head(ref)
 

@@ -219,6 +219,34 @@ def test_options_and_config_softcap_are_forwarded():
         apply_flce_to_llama(patched, chunk_size=3)
 
 
+def test_patched_forward_takes_the_in_model_budget(monkeypatch):
+    """Inside a model the head's default budget is half the op's (its buffers add to the step's activation peak);
+    an explicit budget and ``HF_FLCE_MEMORY_BUDGET`` are taken as given."""
+    from hf_flce.options import BUDGET_ENV, DEFAULT_BUDGET_CPU, in_model_budget
+
+    budgets = []
+    real = patch_forward.head_linear_cross_entropy
+
+    def recording(*args, **kwargs):
+        budgets.append(kwargs["memory_budget"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(patch_forward, "head_linear_cross_entropy", recording)
+    ids, labels = make_batch()
+    default = apply_flce_to_llama(make_model("LlamaForCausalLM"))
+    explicit = apply_flce_to_llama(make_model("LlamaForCausalLM"), memory_budget=4096)
+    default(input_ids=ids, labels=labels), explicit(input_ids=ids, labels=labels)
+    monkeypatch.setenv(BUDGET_ENV, "65536")
+    default(input_ids=ids, labels=labels)
+    assert budgets == [DEFAULT_BUDGET_CPU // 2, 4096, 65536]
+    monkeypatch.delenv(BUDGET_ENV)
+    assert in_model_budget(None, torch.device("cuda")) == 512 << 20
+    assert in_model_budget(None, torch.device("cpu")) == DEFAULT_BUDGET_CPU // 2
+    monkeypatch.setenv(BUDGET_ENV, "many")
+    with pytest.raises(ValueError, match=BUDGET_ENV):
+        in_model_budget(None, torch.device("cpu"))
+
+
 def test_class_patch_apply_twice_and_revert():
     ids, labels = make_batch()
     before = make_model("Qwen2ForCausalLM")

@@ -253,51 +253,53 @@ def _recorded_budgets(monkeypatch) -> list:
     return budgets
 
 
-def test_head_budget_fraction(tokenizer, monkeypatch):
+def test_head_takes_the_in_model_budget(tokenizer, monkeypatch):
     from hf_flce.options import BUDGET_ENV, DEFAULT_BUDGET_CPU
 
     budgets = _recorded_budgets(monkeypatch)
     ids = torch.randint(0, len(tokenizer), (2, 9))
     results = []
-    for options in ({}, {"budget_fraction": 0.5}, {"budget_fraction": 0.5, "memory_budget": 12345}):
+    for options in ({}, {"memory_budget": 12345}):
         model = build_tiny_model(tokenizer)
         add_flce_lm_head(model, outputs=("log_probs", "entropy"), **options)
         results.append(model(input_ids=ids, labels=ids, fused_lm_head=True))
     monkeypatch.setenv(BUDGET_ENV, str(10**6))
     model(input_ids=ids, labels=ids, fused_lm_head=True, fused_loss_type="nll")
-    # None is the op's own default; a fraction of it is resolved on the hidden states' device (CPU here), or of the
-    # environment's budget; an explicit budget wins.
-    assert budgets == [None, DEFAULT_BUDGET_CPU // 2, 12345, 12345]
     model = build_tiny_model(tokenizer)
-    add_flce_lm_head(model, budget_fraction=0.25)
+    add_flce_lm_head(model)
     model(input_ids=ids, labels=ids, fused_lm_head=True)
-    assert budgets[-1] == 250000
-    for out in results[1:]:  # the budget changes the chunking only
-        torch.testing.assert_close(out.log_probs, results[0].log_probs, rtol=RTOL, atol=ATOL)
-        torch.testing.assert_close(out.entropy, results[0].entropy, rtol=RTOL, atol=ATOL)
-    for bad, error in ((0, ValueError), (1.5, ValueError), (float("nan"), ValueError), (True, TypeError)):
-        with pytest.raises(error, match="budget_fraction"):
-            add_flce_lm_head(build_tiny_model(tokenizer), budget_fraction=bad)
+    # Half the op's default on the hidden states' device (CPU here); an explicit budget wins, then the environment's.
+    assert budgets == [DEFAULT_BUDGET_CPU // 2, 12345, 12345, 10**6]
+    torch.testing.assert_close(results[1].log_probs, results[0].log_probs, rtol=RTOL, atol=ATOL)
 
 
 @pytest.mark.parametrize("user_budget", [None, 777 << 10], ids=["default", "flce_memory_budget"])
-def test_dpo_heads_take_half_the_default_budget(tokenizer, tmp_path, monkeypatch, user_budget):
+@pytest.mark.parametrize("trainer_cls", ["sft", "dpo"])
+def test_trainers_heads_take_the_in_model_budget(tokenizer, tmp_path, monkeypatch, user_budget, trainer_cls):
     from hf_flce.options import DEFAULT_BUDGET_CPU
-    from hf_flce.trainers.dpo import DPO_BUDGET_FRACTION
 
     budgets = _recorded_budgets(monkeypatch)
-    trainer = FLCEDPOTrainer(
-        model=build_tiny_model(tokenizer),
-        ref_model=build_tiny_model(tokenizer),
-        args=_base_args(DPOConfig, tmp_path, eval_strategy="no"),
-        train_dataset=load_toy_dataset("preference").select(range(8)),
-        processing_class=tokenizer,
-        flce_memory_budget=user_budget,
-    )
+    if trainer_cls == "dpo":
+        trainer = FLCEDPOTrainer(
+            model=build_tiny_model(tokenizer),
+            ref_model=build_tiny_model(tokenizer),
+            args=_base_args(DPOConfig, tmp_path, eval_strategy="no"),
+            train_dataset=load_toy_dataset("preference").select(range(8)),
+            processing_class=tokenizer,
+            flce_memory_budget=user_budget,
+        )
+    else:
+        trainer = FLCESFTTrainer(
+            model=build_tiny_model(tokenizer),
+            args=_base_args(SFTConfig, tmp_path, eval_strategy="no"),
+            train_dataset=load_toy_dataset("sft_chat").select(range(8)),
+            processing_class=tokenizer,
+            flce_memory_budget=user_budget,
+        )
     trainer.model.train()
     trainer.compute_loss(trainer.model, next(iter(trainer.get_train_dataloader()))).backward()
-    expected = user_budget if user_budget is not None else int(DEFAULT_BUDGET_CPU * DPO_BUDGET_FRACTION)
-    assert budgets == [expected, expected]  # the policy's call and the reference's
+    expected = user_budget if user_budget is not None else DEFAULT_BUDGET_CPU // 2
+    assert budgets == [expected] * (2 if trainer_cls == "dpo" else 1)  # DPO: the policy's call and the reference's
 
 
 # ---------------------------------------------------------------- SFT

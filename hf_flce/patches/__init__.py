@@ -53,7 +53,7 @@ def apply_flce(model: M | None = None, **options: Unpack[PatchKwargs]) -> M | No
     Args:
         model: a supported ``*ForCausalLM`` (see ``hf_flce.patches.FAMILIES``), or a ``PeftModel`` around one.
         backend: ``"auto"`` (default; the torch backend on CPU), ``"torch"``, ``"triton"`` or ``"ascend"``.
-        memory_budget: bytes of logits alive at once (default: the op's).
+        memory_budget: bytes of logits alive at once (default: half the op's, ``hf_flce.options.in_model_budget``).
         label_smoothing, z_loss: as :func:`hf_flce.fused_linear_cross_entropy` (both 0 reproduce the stock loss).
         skip_logits: ``None`` (default) fuses in training mode only, so ``model.eval()`` calls with labels return
             stock logits (``Trainer.evaluate`` with ``compute_metrics`` works); ``True`` fuses whenever there are

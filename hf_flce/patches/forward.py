@@ -19,7 +19,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOut
 from transformers.utils.generic import can_return_tuple
 
 from ..distributed import head_linear_cross_entropy, linear_of
-from ..options import BACKENDS, FLCEOptions
+from ..options import BACKENDS, FLCEOptions, in_model_budget
 
 try:
     from transformers.modeling_utils import slice_logits_to_keep
@@ -128,7 +128,7 @@ def _fused_loss(
         z_loss=options.z_loss,
         softcap=getattr(model.config, "final_logit_softcapping", None),
         backend=options.backend,
-        memory_budget=options.memory_budget,
+        memory_budget=in_model_budget(options.memory_budget, hidden.device),
     )
 
 

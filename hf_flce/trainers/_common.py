@@ -24,14 +24,11 @@ class FLCETrainerMixin:
     """
 
     _trl_module: types.ModuleType
-    # head options of this trainer beyond the user's (add_flce_lm_head keywords)
-    _flce_head_options: dict = {}
 
     def __init__(self, *args, flce_backend: str = "auto", flce_memory_budget: int | None = None, **kwargs) -> None:
         self.flce_backend = flce_backend
         self.flce_memory_budget = flce_memory_budget
-        head_options = {**self._flce_head_options, "backend": flce_backend, "memory_budget": flce_memory_budget}
-        with flce_head_in_place_of_trl(self._trl_module, **head_options):
+        with flce_head_in_place_of_trl(self._trl_module, backend=flce_backend, memory_budget=flce_memory_budget):
             super().__init__(*args, **kwargs)
         for name, model in self._fused_models():
             if not has_flce_head(model):

@@ -8,11 +8,6 @@ from trl import DPOTrainer
 
 from ._common import FLCETrainerMixin
 
-# Measured on an H200 (scripts/benchmark_training.py --task dpo, docs/PERF_NOTES.md v25): at the full 1 GiB default,
-# the policy head's kept logits raised a 32k-token DPO step's peak by up to 1.0 GiB over TRL's own fused head; at half
-# of it, the peak is within 0.03 GiB of TRL's or below it, at the same speed.
-DPO_BUDGET_FRACTION = 0.5
-
 
 class FLCEDPOTrainer(FLCETrainerMixin, DPOTrainer):
     """Drop-in replacement for :class:`trl.DPOTrainer`: same arguments, loss types and logged metrics, with the
@@ -24,10 +19,7 @@ class FLCEDPOTrainer(FLCETrainerMixin, DPOTrainer):
     under ``torch.no_grad``, where the op computes no gradients at all. The reference may be ``ref_model``, the
     PEFT base model with the adapter disabled, or precomputed (``precompute_ref_log_probs``), exactly as in TRL.
 
-    Extra keyword-only options: ``flce_backend`` and ``flce_memory_budget``, as in :class:`FLCESFTTrainer`. Without
-    ``flce_memory_budget`` the heads take half the op's default budget (``DPO_BUDGET_FRACTION``): TRL runs the
-    reference model's forward between the policy head's forward and its backward, so whatever that head keeps for
-    backward is held through it.
+    Extra keyword-only options: ``flce_backend`` and ``flce_memory_budget``, as in :class:`FLCESFTTrainer`.
 
     Example (trains one step of a tiny model on a CPU)::
 
@@ -46,7 +38,6 @@ class FLCEDPOTrainer(FLCETrainerMixin, DPOTrainer):
     """
 
     _trl_module = trl_dpo
-    _flce_head_options = {"budget_fraction": DPO_BUDGET_FRACTION}
     _tag_names = [*DPOTrainer._tag_names, "hf-flce"]
 
     def _fused_models(self):

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from trl.trainer.utils import FusedCausalLMOutput
 
 from ..distributed import head_linear_cross_entropy, linear_of
-from ..options import FLCEOptions
+from ..options import in_model_budget
 
 IGNORE_INDEX = -100
 FUSED_LOSS_TYPES = ("nll", "dft")
@@ -87,15 +87,14 @@ def add_flce_lm_head(
     *,
     backend: str = "auto",
     memory_budget: int | None = None,
-    budget_fraction: float = 1.0,
 ) -> None:
     """Give ``model`` a fused LM head: ``model(..., labels=labels, fused_lm_head=True)`` returns an
     :class:`FLCECausalLMOutput` instead of logits; without ``fused_lm_head`` the forward is the original one.
 
     The first four arguments are those of ``trl.trainer.utils.add_fused_lm_head``. ``backend`` and ``memory_budget``
-    go to :func:`hf_flce.fused_linear_cross_entropy`. Without ``memory_budget``, ``budget_fraction`` (in (0, 1]) of
-    the op's default budget (``HF_FLCE_MEMORY_BUDGET``, else the hidden states' device's default) is used.
-    Extra forward keywords:
+    go to :func:`hf_flce.fused_linear_cross_entropy`; without ``memory_budget`` (nor ``HF_FLCE_MEMORY_BUDGET``) the
+    head takes half the op's default budget, as the patched forwards do (``hf_flce.options.in_model_budget``). Extra
+    forward keywords:
 
     * ``fused_loss_type``: ``None`` (TRL's contract: differentiable per-token ``log_probs`` and ``entropy``; the op
       recomputes or keeps the logits for backward), ``"nll"`` (scalar loss, gradients computed in forward: three
@@ -118,10 +117,6 @@ def add_flce_lm_head(
     unknown = set(outputs) - {"log_probs", *_PER_TOKEN_FIELDS}
     if unknown:
         raise ValueError(f"unknown fused-head outputs {sorted(unknown)}")
-    if isinstance(budget_fraction, bool) or not isinstance(budget_fraction, (int, float)):
-        raise TypeError(f"budget_fraction must be a real number, got {type(budget_fraction).__name__}")
-    if not 0 < budget_fraction <= 1:
-        raise ValueError(f"budget_fraction must be in (0, 1], got {budget_fraction}")
     original_forward = model.forward
     text_config = model.config.get_text_config()
     op_temperature, op_softcap = op_transform(text_config, temperature)
@@ -170,10 +165,7 @@ def add_flce_lm_head(
         targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX) if shifted else shift_labels
         targets = targets.to(hidden.device)
         mask = targets != IGNORE_INDEX
-        call_kwargs = op_kwargs
-        if memory_budget is None and budget_fraction != 1:
-            default = FLCEOptions().budget_bytes(hidden.device)
-            call_kwargs = {**op_kwargs, "memory_budget": max(1, int(default * budget_fraction))}
+        call_kwargs = {**op_kwargs, "memory_budget": in_model_budget(memory_budget, hidden.device)}
         # Run as lm_head's own forward, so FSDP1/FSDP2/ZeRO-3 gather the weight as they would for logits.
         head_loss = functools.partial(
             head_linear_cross_entropy,

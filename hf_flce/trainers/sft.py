@@ -24,7 +24,7 @@ class FLCESFTTrainer(FLCETrainerMixin, SFTTrainer):
     Evaluation without ``compute_metrics`` never builds the logits.
 
     Extra keyword-only options: ``flce_backend`` (``"auto"``, ``"torch"``, ``"triton"``, ``"ascend"``) and
-    ``flce_memory_budget`` (bytes of logits alive at once).
+    ``flce_memory_budget`` (bytes of logits alive at once; default: half the op's, as in every patched model).
 
     Example (trains one step of a tiny model on a CPU)::
 
