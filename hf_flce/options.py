@@ -61,7 +61,7 @@ class FLCEOptions:
     def budget_bytes(self, device: torch.device) -> int:
         if self.memory_budget is not None:
             return self.memory_budget
-        env = _env_budget()
+        env = env_positive_int(BUDGET_ENV)
         if env is not None:
             return env
         return DEFAULT_BUDGET_CPU if device.type == "cpu" else DEFAULT_BUDGET_ACCELERATOR
@@ -72,22 +72,23 @@ def in_model_budget(memory_budget: int | None, device: torch.device) -> int:
     else the op's default divided by ``IN_MODEL_BUDGET_DIVISOR`` (512 MiB on accelerators, 128 MiB on CPU)."""
     if memory_budget is not None:
         return memory_budget
-    env = _env_budget()
+    env = env_positive_int(BUDGET_ENV)
     if env is not None:
         return env
     return FLCEOptions().budget_bytes(device) // IN_MODEL_BUDGET_DIVISOR
 
 
-def _env_budget() -> int | None:
-    env = os.environ.get(BUDGET_ENV)
-    if not env:
+def env_positive_int(name: str) -> int | None:
+    """The positive integer environment variable ``name``, or None where it is unset or empty."""
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
         return None
     try:
-        value = int(env)
+        value = int(raw)
     except ValueError:
-        raise ValueError(f"{BUDGET_ENV} must be an integer number of bytes, got {env!r}") from None
+        raise ValueError(f"{name} must be a positive integer, got {raw!r}") from None
     if value <= 0:
-        raise ValueError(f"{BUDGET_ENV} must be > 0, got {value}")
+        raise ValueError(f"{name} must be a positive integer, got {value}")
     return value
 
 

@@ -13,10 +13,11 @@ time, and every query of them is guarded.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
+
+from ...options import env_positive_int
 
 UB_ENV = "ASCEND_UB_CAPACITY_BITS"
 CORES_ENV = "HF_FLCE_ASCEND_VECTOR_CORES"
@@ -50,19 +51,6 @@ class Launch:
     programs: int
     rows_per_program: int
     extra_rows: int
-
-
-def _env_int(name: str) -> int | None:
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return None
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{name} must be a positive integer, got {raw!r}") from None
-    if value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value}")
-    return value
 
 
 def _triton_ascend_ub_kib() -> int | None:
@@ -101,7 +89,7 @@ def _npu_vector_cores(device: torch.device) -> int:
 
 def ub_capacity_bytes(device: torch.device) -> int:
     """UB bytes of one vector core: ``ASCEND_UB_CAPACITY_BITS`` / 8, the triton-ascend runtime, or 192 KiB."""
-    bits = _env_int(UB_ENV)
+    bits = env_positive_int(UB_ENV)
     if bits is not None:
         return bits // 8
     if device.type == "npu":
@@ -111,7 +99,7 @@ def ub_capacity_bytes(device: torch.device) -> int:
 
 def vector_core_count(device: torch.device) -> int:
     """Vector cores of the device: ``HF_FLCE_ASCEND_VECTOR_CORES``, the driver's ``num_vectorcore``, or 40."""
-    cores = _env_int(CORES_ENV)
+    cores = env_positive_int(CORES_ENV)
     if cores is not None:
         return cores
     if device.type == "npu":
