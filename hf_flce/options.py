@@ -58,24 +58,21 @@ class FLCEOptions:
             if self.memory_budget <= 0:
                 raise ValueError(f"memory_budget must be > 0 bytes, got {self.memory_budget}")
 
-    def budget_bytes(self, device: torch.device) -> int:
+    def budget_bytes(self, device: torch.device, default_divisor: int = 1) -> int:
+        """``memory_budget``, else ``HF_FLCE_MEMORY_BUDGET``, else the device's default divided by
+        ``default_divisor``."""
         if self.memory_budget is not None:
             return self.memory_budget
         env = env_positive_int(BUDGET_ENV)
         if env is not None:
             return env
-        return DEFAULT_BUDGET_CPU if device.type == "cpu" else DEFAULT_BUDGET_ACCELERATOR
+        return (DEFAULT_BUDGET_CPU if device.type == "cpu" else DEFAULT_BUDGET_ACCELERATOR) // default_divisor
 
 
 def in_model_budget(memory_budget: int | None, device: torch.device) -> int:
     """The budget of a head inside a model on ``device``: ``memory_budget`` or ``HF_FLCE_MEMORY_BUDGET`` when set,
     else the op's default divided by ``IN_MODEL_BUDGET_DIVISOR`` (512 MiB on accelerators, 128 MiB on CPU)."""
-    if memory_budget is not None:
-        return memory_budget
-    env = env_positive_int(BUDGET_ENV)
-    if env is not None:
-        return env
-    return FLCEOptions().budget_bytes(device) // IN_MODEL_BUDGET_DIVISOR
+    return FLCEOptions(memory_budget=memory_budget).budget_bytes(device, IN_MODEL_BUDGET_DIVISOR)
 
 
 def env_positive_int(name: str) -> int | None:

@@ -120,7 +120,7 @@ def add_flce_lm_head(
     original_forward = model.forward
     text_config = model.config.get_text_config()
     op_temperature, op_softcap = op_transform(text_config, temperature)
-    op_kwargs = dict(temperature=op_temperature, softcap=op_softcap, backend=backend, memory_budget=memory_budget)
+    op_kwargs = dict(temperature=op_temperature, softcap=op_softcap, backend=backend)
     # the op computes only the statistics these outputs read (TRL's names -> FLCEStats fields)
     wanted_stats = {"mean_logit" if name == "mean_logits" else name for name in outputs if name != "log_probs"}
 
@@ -165,6 +165,7 @@ def add_flce_lm_head(
         targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX) if shifted else shift_labels
         targets = targets.to(hidden.device)
         mask = targets != IGNORE_INDEX
+        # the budget is resolved where the hidden states are: its default depends on the device
         call_kwargs = {**op_kwargs, "memory_budget": in_model_budget(memory_budget, hidden.device)}
         # Run as lm_head's own forward, so FSDP1/FSDP2/ZeRO-3 gather the weight as they would for logits.
         head_loss = functools.partial(
