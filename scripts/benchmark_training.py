@@ -119,12 +119,16 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "tiny-qwen2": ("qwen2", _TINY),
     "tiny-qwen3": ("qwen3", _TINY),
 }
+# ``dpo_seq``: DPO's sequences (2048 tokens, a common max_length), chosen and rejected in equal numbers.
 DEFAULTS: dict[str, dict[str, Any]] = {
-    "gpu": {"models": ["qwen2.5-1.5b", "llama3.2-1b", "qwen3-0.6b"], "tokens": [8192, 32768], "seq": 4096},
-    "cpu": {"models": ["tiny-llama", "tiny-qwen3"], "tokens": [256], "seq": 128},
+    "gpu": {
+        "models": ["qwen2.5-1.5b", "llama3.2-1b", "qwen3-0.6b"],
+        "tokens": [8192, 32768],
+        "seq": 4096,
+        "dpo_seq": 2048,
+    },
+    "cpu": {"models": ["tiny-llama", "tiny-qwen3"], "tokens": [256], "seq": 128, "dpo_seq": 64},
 }
-# DPO batches: sequences of 2048 tokens (a common max_length), chosen and rejected in equal numbers.
-DPO_SEQ = {"gpu": 2048, "cpu": 64}
 
 
 def make_model(name: str, dev: bc.Device, dtype: torch.dtype, seed: int):
@@ -421,8 +425,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         p.error(f"unknown models {unknown}; choose from {list(MODELS)}")
     args.tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else defaults["tokens"]
-    kind = "cpu" if args.device == "cpu" else "gpu"
-    args.seq = args.seq or (DPO_SEQ[kind] if args.task == "dpo" else defaults["seq"])
+    args.seq = args.seq or defaults["dpo_seq" if args.task == "dpo" else "seq"]
     known = DPO_PROVIDERS if args.task == "dpo" else PROVIDERS
     args.providers = [x for x in args.providers.split(",") if x] if args.providers else list(known)
     bad = [x for x in args.providers if x not in known]
