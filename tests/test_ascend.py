@@ -288,6 +288,32 @@ def test_tiles_match_torch_in_place(small_ub, full):
     assert not buf[::3].any()
 
 
+def test_backward_over_a_vocabulary_chunk(small_ub):
+    """Columns ``first_column:`` of a row: the one-hot entry and class weights placed by the offset, as the torch
+    pass places them; a chunk past the vocabulary raises."""
+    v, first = 83, 40
+    params = _params(v, label_smoothing=0.2, z_loss=0.01, softcap=4.0, class_weight=torch.rand(v) + 0.5)
+    logits = torch.randn(12, v) * 3
+    target = torch.randint(0, v, (12,))
+    target[::3] = -100
+    target[1], target[2] = first, first - 1  # the one-hot entry on either side of the chunk's first column
+    stats = TorchTileOps().forward(logits, target, params)
+    upstream = [torch.randn(12) for _ in range(3)]
+    chunk = logits[:, first:].contiguous()
+    got, want = torch.empty_like(chunk), torch.empty_like(chunk)
+    AscendTileOps().backward(
+        chunk, target, stats.lse, stats.entropy, params, *upstream, grad_out=got, first_column=first
+    )
+    TorchTileOps().backward(
+        chunk, target, stats.lse, stats.entropy, params, *upstream, grad_out=want, first_column=first
+    )
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="pass the vocabulary"):
+        AscendTileOps().backward(
+            chunk, target, stats.lse, stats.entropy, params, *upstream, got, first_column=first + 1
+        )
+
+
 def test_is_top1_first_argmax_across_blocks(small_ub):
     v = 200
     logits = torch.zeros(4, v)

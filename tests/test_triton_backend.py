@@ -296,6 +296,31 @@ def test_tiles_match_float64(names, grad_dtype):
         assert not grad[target == -100].any()
 
 
+@pytest.mark.parametrize("ops", ["triton", "torch"])
+def test_tiles_backward_over_a_vocabulary_chunk(ops):
+    """A chunk of columns (``first_column=``) gets those columns of the whole row's gradient, the target's one-hot
+    entry and the class weights placed by the offset; a chunk outside the vocabulary raises instead of indexing past
+    it."""
+    rows, v = 8, 257
+    logits, target = random_logits(rows, v)
+    cw = (torch.rand(v, generator=torch.Generator().manual_seed(3)) + 0.5).to(DEVICE)
+    params = tile_params(v, ("smoothing", "class_weight", "z_loss", "softcap"), cw)
+    tiles = TritonTileOps(block=SMALL_BLOCK) if ops == "triton" else TorchTileOps()
+    ref, _, ref_backward = float64_tiles(logits, target, params, torch.ones(rows, device=DEVICE))
+    lse, entropy = ref.lse.float(), ref.entropy.float()
+    gen = torch.Generator().manual_seed(5)
+    gl, glp, ge = (torch.randn(rows, generator=gen).to(DEVICE) for _ in range(3))
+    expected = ref_backward(gl.double(), glp.double(), ge.double())
+    for first, last in ((0, 128), (128, 250), (250, v)):
+        grad = torch.empty(rows, last - first, device=DEVICE)
+        tiles.backward(logits[:, first:last].contiguous(), target, lse, entropy, params, gl, glp, ge, grad, first)
+        assert_close(grad, expected[:, first:last], 2e-6, f"columns {first}:{last}")
+    for first, last in ((-1, 9), (250, v + 1)):
+        chunk = torch.zeros(rows, last - first, device=DEVICE)
+        with pytest.raises(ValueError, match="pass the vocabulary"):
+            tiles.backward(chunk, target, lse, entropy, params, gl, glp, ge, chunk.clone(), first)
+
+
 def test_scale_into_in_place_and_cast():
     ops = TritonTileOps()
     gen = torch.Generator().manual_seed(3)

@@ -44,6 +44,13 @@ class TileParams:
     optional_stats: frozenset[str] = OPTIONAL_STATS
 
 
+def check_columns(first_column: int, columns: int, vocab: int) -> None:
+    """Raises where a vocabulary chunk ``first_column:first_column + columns`` does not lie inside ``[0, vocab)``: a
+    pass would index the class weights and place the target's one-hot entry by those columns."""
+    if first_column < 0 or first_column + columns > vocab:
+        raise ValueError(f"columns {first_column}:{first_column + columns} pass the vocabulary {vocab}")
+
+
 @dataclass
 class TileStats:
     """Per-row results of a forward tile pass; all ``[rows]``, 0 (False) at ignored rows."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import TileParams, TileStats
+from .base import TileParams, TileStats, check_columns
 
 # float32 elements of one CPU row block (4 MiB per scratch buffer; 32 rows at V = 32k timed best on 2 cores)
 _CPU_BLOCK_ELEMS = 1 << 20
@@ -181,6 +181,7 @@ class TorchTileOps:
     def backward(
         self, logits, target, lse, entropy, params, grad_loss, grad_logprob, grad_entropy, grad_out, first_column=0
     ) -> None:
+        check_columns(first_column, logits.shape[1], params.vocab)
         for b, (t_buf, tanh_buf, p_buf, tmp) in _Blocks(logits, params, tmp=grad_entropy is not None):
             t, tanh = self._transform(logits[b], params, t_buf, tanh_buf)
             valid = target[b] != params.ignore_index

@@ -54,7 +54,7 @@ import triton
 import triton.language as tl
 
 from . import cuda_properties, triton_interpreting, triton_scaled
-from .base import TileParams, TileStats
+from .base import TileParams, TileStats, check_columns
 from .triton_launch import launch
 from .triton_scaled import exact_row
 from .triton_tiles import HW_TANH, TritonTileOps, _transform, fast_exp, fast_log, logit_grad, row_grad_coefs
@@ -1345,8 +1345,7 @@ def recompute_gradient(
     ``weight`` (and ``bias``) the head's rows ``first_column:first_column + C`` (a vocabulary chunk), those ``C``
     columns of it."""
     n = x.shape[0]
-    if weight.shape[0] + first_column > params.vocab:
-        raise ValueError(f"columns {first_column}:{first_column + weight.shape[0]} pass the vocabulary {params.vocab}")
+    check_columns(first_column, weight.shape[0], params.vocab)
     out = torch.empty(n, weight.shape[0], dtype=x.dtype, device=x.device)
     if n:
         with TritonTileOps._device_guard(x.device):

@@ -17,7 +17,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from . import cuda_properties, triton_interpreting
-from .base import TileParams, TileStats
+from .base import TileParams, TileStats, check_columns
 from .triton_launch import launch
 
 # Start of the running max: finite, so that exp(m_old - m_new) and (m_old - m_new) * 0 never give NaN.
@@ -589,5 +589,6 @@ class TritonTileOps:
         grad_out: torch.Tensor,
         first_column: int = 0,
     ) -> None:
+        check_columns(first_column, logits.shape[1], params.vocab)
         upstream = (grad_loss, grad_logprob, grad_entropy)
         self._launch(logits, target, params, lse, entropy, upstream, grad_out, None, first_column)

@@ -15,7 +15,7 @@ import functools
 
 import torch
 
-from ..base import TileParams, TileStats
+from ..base import TileParams, TileStats, check_columns
 from .tiling import plan_launch
 
 try:
@@ -127,6 +127,7 @@ class AscendTileOps:
         first_column: int = 0,
     ) -> None:
         rows, n_cols = logits.shape
+        check_columns(first_column, n_cols, params.vocab)
         if rows == 0:
             return
         grads = [_row_vector(g, rows) for g in (grad_loss, grad_logprob, grad_entropy)]
