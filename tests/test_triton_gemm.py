@@ -810,6 +810,20 @@ def test_kernel_visits_every_tile_once_in_any_group_order(group_blocks):
     assert_close(partials[n_tiles * n : 2 * n_tiles * n].view(n_tiles, n), expected_sum, 1e-5, "tile sums")
 
 
+@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("v", [1, 255, 256, 257, 128256])
+def test_partials_hold_every_tile_a_launch_may_run(tma, v):
+    """The partials are sized by the narrowest tile among the configurations the launch's pruning keeps (with TMA or
+    without), so no configuration the autotuner may pick writes past them; with TMA that is fewer tiles than the
+    narrowest configuration overall, where it has one of its own."""
+    x = torch.zeros(4, 64, dtype=torch.bfloat16, device=DEVICE)
+    with mock.patch.object(triton_gemm, "_tma_usable", lambda *_: tma):
+        kept = triton_gemm._prune_configs(triton_gemm._head_gemm_kernel.configs, {"x_ptr": x, "w_ptr": x})
+    assert kept
+    assert max(-(-v // c.kwargs["BN"]) for c in kept) <= triton_gemm._max_tiles(v, tma)
+    assert triton_gemm._max_tiles(v, tma) <= triton_gemm._max_tiles(v)
+
+
 @pytest.mark.parametrize("v", [1, 31, 32, 100])
 @pytest.mark.parametrize(
     "opts",

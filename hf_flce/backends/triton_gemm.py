@@ -905,10 +905,14 @@ def _planes(params: TileParams) -> int:
 
 
 @functools.cache
-def _max_tiles(vocab: int) -> int:
-    """Column tiles per row at the narrowest tile any configuration may pick (the partials are sized for it; the
-    kernel indexes them by the tile width it runs)."""
-    return triton.cdiv(vocab, min(c.kwargs["BN"] for c in _head_gemm_kernel.configs))
+def _max_tiles(vocab: int, tma: bool | None = None) -> int:
+    """Column tiles per row at the narrowest tile a launch may pick: among the configurations with TMA or without
+    (``tma``, as ``_prune_configs`` keeps them), or among all (None: chunk planning, before the operands are known).
+    The partials are sized for it; the kernel indexes them by the tile width it runs. With TMA that is 256 columns,
+    half the partials of the narrowest tile without (at 32k rows of a 128k vocabulary, 131 MB less per plane)."""
+    configs = _head_gemm_kernel.configs
+    configs = [c for c in configs if tma is None or c.kwargs["USE_TMA"] == tma] or configs
+    return triton.cdiv(vocab, min(c.kwargs["BN"] for c in configs))
 
 
 def partial_bytes_per_row(vocab: int, params: TileParams) -> int:
@@ -1171,10 +1175,6 @@ def forward(
         empty = torch.empty(0, e_columns, dtype=torch.float16, device=dev)
         return stats, (KeptSoftmax(empty, stats.loss.view(1, 0), 1, stats.loss) if keep else None)
     mode = MODE_SCALED if scaled else MODE_KEEP if keep else MODE_STATS
-    # Sized for the narrowest tile; the kernel indexes them by the tile width the autotuner picked.
-    max_tiles = _max_tiles(vocab)
-    partials = torch.empty(_planes(params) * max_tiles * n, **f32)
-    best = torch.empty(max_tiles * n if _stat_flags(params)["TOP1"] else 1, dtype=torch.int32, device=dev)
     from . import hopper_head  # builds on this module's jit functions
 
     warp_specialized = (
@@ -1183,6 +1183,10 @@ def forward(
         and rows_on_device is None
         and hopper_head.supports(x, weight, bias, params, _stat_flags(params))
     )
+    # Sized for the narrowest tile this launch may run; the kernel indexes them by the tile width the autotuner picked.
+    max_tiles = triton.cdiv(vocab, hopper_head.BN) if warp_specialized else _max_tiles(vocab, _tma_usable(x, weight))
+    partials = torch.empty(_planes(params) * max_tiles * n, **f32)
+    best = torch.empty(max_tiles * n if _stat_flags(params)["TOP1"] else 1, dtype=torch.int32, device=dev)
     fixed_ref = scaled and _row_reference(params)
     e = t_y = None
     if scaled:
