@@ -770,7 +770,13 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         if state is not None:
             ctx.eager_grads = state.eager_grads
             ctx.row_prob = state.row_prob
-            ctx.save_for_backward(x, weight, bias, target, state.rows, state.lse, state.entropy)
+            # A per-token backward reads the kept rows alone: they are saved instead of x, whose prompt rows then need
+            # not outlive the forward (backward would gather the same rows), and dX is scattered back to every row.
+            ctx.rows_gathered = not ctx.eager and state.rows is not None
+            saved_x, saved_target = x, target
+            if ctx.rows_gathered:
+                saved_x, saved_target = x.index_select(0, state.rows), target.index_select(0, state.rows)
+            ctx.save_for_backward(saved_x, weight, bias, saved_target, state.rows, state.lse, state.entropy)
             # Kept logits are overwritten by the first backward, so they live on ctx (not version-checked) and are
             # dropped once used: a second backward (retain_graph) recomputes them.
             ctx.kept = state.kept
@@ -797,23 +803,15 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
                 if plan.prob_weighted:
                     per_token_loss = per_token_loss * _scatter_rows(ctx.row_prob, rows, ctx.n)
         if per_token_loss is not None or g_logp is not None or g_ent is not None:
+            upstream, gather = (per_token_loss, g_logp, g_ent), rows
+            if ctx.rows_gathered:
+                upstream = tuple(None if g is None else g.reshape(-1).index_select(0, rows) for g in upstream)
+                gather = None
             pdx, pdw, pdb = _recompute_grads(
-                x,
-                weight,
-                bias,
-                target,
-                rows,
-                lse_v,
-                ent_v,
-                kept,
-                plan,
-                per_token_loss,
-                g_logp,
-                g_ent,
-                need_dx,
-                need_dw,
-                need_db,
+                x, weight, bias, target, gather, lse_v, ent_v, kept, plan, *upstream, need_dx, need_dw, need_db
             )
+            if ctx.rows_gathered and pdx is not None:
+                pdx = _scatter_rows(pdx, rows, ctx.n)
             dx = pdx if dx is None else (dx if pdx is None else dx + pdx)
             dw = pdw if dw is None else (dw if pdw is None else dw + pdw)
             db = pdb if db is None else (db if pdb is None else db + pdb)

@@ -345,6 +345,42 @@ def test_module_form():
         hf_flce.FusedLinearCrossEntropyLoss(smoothing=0.1)
 
 
+@pytest.mark.parametrize("stats", [False, True], ids=["loss", "logprobs+entropy"])
+def test_per_token_backward_saves_the_kept_rows_alone(stats):
+    """A per-token loss with prompt rows saves the kept rows of x for backward, not x itself (its ignored rows need
+    not outlive the forward), and its gradients still match the float64 reference, zero at the ignored rows."""
+    x, w, y, b = _problem(ignore_every=2, bias=True)
+    y[-1] = -100  # ignored rows at both ends
+    leaves = [t.requires_grad_() for t in (x, w, b)]
+    shapes = []
+
+    def pack(t):
+        shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = hf_flce.fused_linear_cross_entropy(x, w, y, b, reduction="none", return_stats=stats)
+    n_kept = int((y != -100).sum())
+    assert (n_kept, x.shape[1]) in shapes and tuple(x.shape) not in shapes
+    gen = torch.Generator().manual_seed(1)
+    ups = [torch.randn(x.shape[0], generator=gen) for _ in range(3)]
+    if stats:
+        loss, st = out
+        objective = (loss * ups[0]).sum() + (st.logprobs * ups[1]).sum() + (st.entropy * ups[2]).sum()
+    else:
+        objective = (out * ups[0]).sum()
+    grads = torch.autograd.grad(objective, leaves)
+    ref_leaves = [t.detach().double().requires_grad_() for t in (x, w, b)]
+    ref_loss, ref_stats = reference_linear_cross_entropy(*ref_leaves[:2], y, ref_leaves[2], reduction="none")
+    ref_objective = (ref_loss * ups[0].double()).sum()
+    if stats:
+        ref_objective = ref_objective + (ref_stats["logprobs"] * ups[1].double()).sum()
+        ref_objective = ref_objective + (ref_stats["entropy"] * ups[2].double()).sum()
+    for got, want in zip(grads, torch.autograd.grad(ref_objective, ref_leaves)):
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+    assert not grads[0][y == -100].any()
+
+
 def test_retain_graph_second_backward_is_exact():
     x, w, y, _ = _problem()
     x.requires_grad_()
