@@ -148,6 +148,10 @@ def fused_linear_cross_entropy(
         cw = class_weight.detach().to(torch.float32).contiguous()
         cw_sum = cw.sum()
 
+    device = x.device
+
+    # Holds no reference to x: the plan outlives the forward (autograd keeps it until backward), and x is the
+    # model's last hidden state, which a per-token backward does not need whole.
     @functools.cache
     def denominator() -> torch.Tensor | None:
         valid = y != opts.ignore_index
@@ -155,7 +159,7 @@ def fused_linear_cross_entropy(
             valid_weight = valid.sum(dtype=torch.float32)
         else:
             valid_weight = torch.where(valid, cw[torch.where(valid, y, 0).clamp(0, vocab - 1)], 0.0).sum()
-        return loss_denominator(valid_weight, opts, num_items_in_batch, x.device)
+        return loss_denominator(valid_weight, opts, num_items_in_batch, device)
 
     params = TileParams(
         vocab=vocab,

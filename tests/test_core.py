@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
+import weakref
 from unittest import mock
 
 import pytest
@@ -379,6 +381,23 @@ def test_per_token_backward_saves_the_kept_rows_alone(stats):
     for got, want in zip(grads, torch.autograd.grad(ref_objective, ref_leaves)):
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
     assert not grads[0][y == -100].any()
+
+
+def test_per_token_call_does_not_keep_the_hidden_states_alive():
+    """Between forward and backward a per-token call with ignored rows holds its kept rows, not the caller's hidden
+    states (the model's last hidden state, freed as soon as nothing else needs it)."""
+    x, w, y, _ = _problem(ignore_every=3)
+    leaf = x.requires_grad_()
+    hidden = leaf * 1.0  # a non-leaf, as a model's output is: its autograd node does not keep it
+    alive = weakref.ref(hidden)
+    loss = hf_flce.fused_linear_cross_entropy(hidden, w, y, reduction="none")
+    del hidden
+    gc.collect()
+    assert alive() is None
+    loss.sum().backward()
+    ref_x = x.detach().double().requires_grad_()
+    reference_linear_cross_entropy(ref_x, w.double(), y, reduction="none")[0].sum().backward()
+    torch.testing.assert_close(leaf.grad.double(), ref_x.grad, rtol=1e-5, atol=1e-6)
 
 
 def test_retain_graph_second_backward_is_exact():
