@@ -909,7 +909,7 @@ def _max_tiles(vocab: int, tma: bool | None = None) -> int:
     """Column tiles per row at the narrowest tile a launch may pick: among the configurations with TMA or without
     (``tma``, as ``_prune_configs`` keeps them), or among all (None: chunk planning, before the operands are known).
     The partials are sized for it; the kernel indexes them by the tile width it runs. With TMA that is 256 columns,
-    half the partials of the narrowest tile without (at 32k rows of a 128k vocabulary, 131 MB less per plane)."""
+    half the partials of the narrowest tile without (at 32k rows of a 128k vocabulary, 66 MB less per plane)."""
     configs = _head_gemm_kernel.configs
     configs = [c for c in configs if tma is None or c.kwargs["USE_TMA"] == tma] or configs
     return triton.cdiv(vocab, min(c.kwargs["BN"] for c in configs))
