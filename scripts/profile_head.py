@@ -13,30 +13,27 @@
 5. ``epilogue``: the logits GEMM with the softmax in its epilogue (``backends/triton_gemm.py``) against cuBLAS at
    the same shape (statistics only, statistics + stored e, gradient pass, gradient from the epilogue, the autotuned
    tile), and the engine with it on and off: fwd+bwd, no-grad forward and the per-token path, each ÷ its floor.
-6. ``hopper``: the warp-specialized Hopper kernel of that GEMM (``backends/hopper_head.py``) against the Triton kernel
-   and cuBLAS (statistics only, + stored e; operand rings of 4-6 stages), and the engine with it on and off
-   (``HF_FLCE_HOPPER_HEAD``); gemma2-2b with its softcap of 30.
-7. ``host``: the host's share. Per shape, one no-grad call under torch.profiler: the logits GEMM kernel against one
+6. ``host``: the host's share. Per shape, one no-grad call under torch.profiler: the logits GEMM kernel against one
    cuBLAS GEMM, and how long after the call's first kernel it started (the launches and the compaction sync before
    it, which an isolated call waits for). Then the host time per call at a shape whose GPU work is tiny.
-8. ``timeline``: one no-grad call, one fwd+bwd call and one per-token call under torch.profiler (host and GPU):
+7. ``timeline``: one no-grad call, one fwd+bwd call and one per-token call under torch.profiler (host and GPU):
    every kernel's start and duration from the moment the call was entered, and when the call returned: what an
    isolated call's time is made of.
-9. ``scaled``: fwd+bwd with the scalar loss's gradient as E and row scales (``backends/triton_scaled.py``, the
+8. ``scaled``: fwd+bwd with the scalar loss's gradient as E and row scales (``backends/triton_scaled.py``, the
    default) against the gradient pass over stored e (``HF_FLCE_SCALED_GRAD=0``), timed in turns, with each one's CUDA
    time per kernel.
-10. ``reference``: fwd+bwd, the no-grad forward and the per-token path with every tile's softmax sums relative to the
+9. ``reference``: fwd+bwd, the no-grad forward and the per-token path with every tile's softmax sums relative to the
    row's ``t_y + 32`` (``HF_FLCE_ROW_REFERENCE=1``, the default) against the tile's own max (``=0``), in turns.
-11. ``power``: at one chunk of the engine's default plan (for N rows, all kept), cuBLAS's logits GEMM, the epilogue
+10. ``power``: at one chunk of the engine's default plan (for N rows, all kept), cuBLAS's logits GEMM, the epilogue
    GEMM's forward (statistics only, and E stored for the scaled gradient, each with its small kernels) and cuBLAS's dX GEMM, each run for ~1.5 s after 0.5 s of the same load, with the
    GPU's clock and power draw sampled by ``nvidia-smi``: ms, MHz, W and mJ per call. At its power limit a GPU's time
    per call follows the call's energy, not its latency.
-12. ``enqueue``: per shape, isolated no-grad and fwd+bwd calls (each after a synchronisation, as the benchmark times
+11. ``enqueue``: per shape, isolated no-grad and fwd+bwd calls (each after a synchronisation, as the benchmark times
    them) with a CUDA event recorded just before the head GEMM's launch: on an idle GPU that event completes when the
    host gets there, so its time after the call's start event is the host time the GEMM waits for. Median of 25 calls,
    with the calls' own times. To compare two commits, run it from a checkout of each in turn (the host's speed varies
    between processes by up to 2x; alternate them and take several).
-13. ``columns``: the per-token path whose backward recomputes, with that backward in vocabulary chunks
+12. ``columns``: the per-token path whose backward recomputes, with that backward in vocabulary chunks
    (``HF_FLCE_VOCAB_CHUNKS=1``, the default) against row chunks (``=0``), timed in turns, with each one's CUDA time
    per kernel and memory beyond the inputs and gradients.
 """
@@ -60,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_common import Device, median  # noqa: E402
 
 import hf_flce  # noqa: E402
-from hf_flce.backends import hopper_head, resolve_backend, triton_gemm  # noqa: E402
+from hf_flce.backends import resolve_backend, triton_gemm  # noqa: E402
 from hf_flce.backends.base import TileParams  # noqa: E402
 from hf_flce.backends.triton_tiles import TritonTileOps, launch_config  # noqa: E402
 from hf_flce.engine import plan_chunk_rows  # noqa: E402
@@ -438,65 +435,6 @@ def columns(name: str) -> dict:
     return row
 
 
-def hopper(name: str) -> dict:
-    """The warp-specialized logits GEMM against the Triton kernel and cuBLAS, and the engine with it on and off."""
-    n, h, v = SHAPES[name]
-    softcap = shape_softcap(name)
-    x, w, y = inputs(n, h, v)
-    xd, wd = x.detach(), w.detach()
-    # no optional statistics, as the engine asks for a plain loss (the Gluon kernel computes none)
-    params = TileParams(v, -100, 0.0, 0.0, softcap, 1.0, None, None, optional_stats=frozenset())
-    partials = torch.empty(5 * -(-v // hopper_head.BN) * n, device="cuda")
-    e = hopper_head.empty_e(n, v, x.device)
-    kernels = {"cublas": lambda: torch.mm(xd, wd.T)}
-    for stages in (3, 4):
-        kernels[f"stats_{stages}_stages"] = lambda s=stages: hopper_head.statistics(xd, wd, params, partials, None, s)
-        kernels[f"keep_{stages}_stages"] = lambda s=stages: hopper_head.statistics(xd, wd, params, partials, e, s)
-    kernel_ms = _interleaved_ms(kernels)
-    one = kernel_ms["cublas"]
-    row = dict(shape=name, n=n, h=h, v=v, softcap=softcap, gemm_ms=one, floor_ms=floor_ms(n, h, v))
-    row.update({f"kernel_{k}": t / one for k, t in kernel_ms.items() if k != "cublas"})
-    e = None  # freed before the engine runs
-    g = torch.randn(n, device="cuda")
-    opts = dict(softcap=softcap)
-
-    def fwd_bwd():
-        return torch.autograd.grad(hf_flce.fused_linear_cross_entropy(x, w, y, **opts), (x, w))
-
-    def pertoken():
-        loss, stats = hf_flce.fused_linear_cross_entropy(x, w, y, reduction="none", return_stats=True, **opts)
-        return torch.autograd.grad((loss * g).sum() + (stats.logprobs * g).sum(), (x, w))
-
-    def no_grad():
-        with torch.no_grad():
-            hf_flce.fused_linear_cross_entropy(x, w, y, **opts)
-
-    calls = dict(
-        stats=(lambda: triton_gemm.forward(xd, wd, None, y, params, keep=False), one),
-        keep=(lambda: triton_gemm.forward(xd, wd, None, y, params, keep=True), one),
-        no_grad=(no_grad, one),
-        fwd_bwd=(fwd_bwd, row["floor_ms"]),
-        pertoken=(pertoken, row["floor_ms"]),
-    )
-    for what, (fn, unit) in calls.items():
-        both = {label: _with_env("HF_FLCE_HOPPER_HEAD", switch, fn) for label, switch in (("ws", "1"), ("triton", "0"))}
-        for label, ms in _interleaved_ms(both, reps=5).items():
-            row[f"{label}_{what}"] = ms / unit
-        torch.cuda.empty_cache()
-    for what in ("keep", "no_grad", "fwd_bwd"):
-        for label, switch in (("ws", "1"), ("triton", "0")):
-            top = sorted(
-                _kernel_ms(_with_env("HF_FLCE_HOPPER_HEAD", switch, calls[what][0])).items(), key=lambda kv: -kv[1]
-            )[:6]
-            row[f"kernels_{label}_{what}"] = {k[:80]: round(ms, 3) for k, ms in top}
-        torch.cuda.empty_cache()
-    print(name, " ".join(f"{k}={val:.3f}" for k, val in row.items() if isinstance(val, float)), flush=True)
-    for k, val in row.items():
-        if k.startswith("kernels_"):
-            print("  ", k, val, flush=True)
-    return row
-
-
 HOST_SHAPE = (256, 4096, 32768)
 
 
@@ -543,7 +481,7 @@ def host(name: str) -> dict:
         (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda e: e.time_range.start
     )
     first = kernels[0].time_range.start
-    gemm = next(e for e in kernels if "head_gemm" in e.name or "hopper_head" in e.name)
+    gemm = next(e for e in kernels if "head_gemm" in e.name)
     gemm_ms = (gemm.time_range.end - gemm.time_range.start) / 1e3
     row = dict(
         shape=name,
@@ -769,7 +707,6 @@ def main() -> None:
         kernels=[],
         sweep=[],
         epilogue=[],
-        hopper=[],
         host=[],
         timeline=[],
         scaled=[],
@@ -789,8 +726,6 @@ def main() -> None:
             if not result["epilogue"]:
                 _check_tma()
             result["epilogue"].append(epilogue(name))
-        if "hopper" in sections:
-            result["hopper"].append(hopper(name))
         if "host" in sections:
             result["host"].append(host(name))
         if "timeline" in sections:

@@ -7,7 +7,6 @@ epilogue.
 Without a GPU the kernels run in the Triton interpreter (conftest sets it), with fp32 tile products.
 """
 
-import dataclasses
 import warnings
 from unittest import mock
 
@@ -17,7 +16,7 @@ from test_triton_backend import DEVICE, assert_close, build, check, make_inputs
 
 import hf_flce
 from hf_flce import engine
-from hf_flce.backends import hopper_head, resolve_backend, triton_gemm
+from hf_flce.backends import resolve_backend, triton_gemm
 from hf_flce.backends.base import OPTIONAL_STATS, TileParams
 from hf_flce.backends.torch_tiles import TorchTileOps
 from hf_flce.backends.triton_tiles import TritonTileOps
@@ -945,59 +944,3 @@ def test_requested_stats_only(wanted, names, fused_calls):
     ref.backward()
     assert_close(h.grad, ref_h.grad, GRAD_TOL, "dX")
     assert_close(w.grad, ref_w.grad, GRAD_TOL, "dW")
-
-
-HOPPER = DEVICE.type == "cuda" and hopper_head.AVAILABLE and torch.cuda.get_device_capability()[0] == 9
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize(
-    "n, h, v",
-    [(1, 64, 1000), (777, 256, 50257), (300, 128, 128 * 7), (2100, 512, 32003)],
-    ids=["one-row", "ragged-odd-v", "exact-tiles", "many-tiles"],
-)
-@pytest.mark.parametrize("opts", [{}, dict(temperature=0.7)], ids=["plain", "temperature"])
-@mock.patch.dict("os.environ", HF_FLCE_HOPPER_HEAD="1")
-def test_hopper_head_kernel(dtype, n, h, v, opts):
-    """The warp-specialized Hopper kernel (``hopper_head``): statistics against the float64 reference and the Triton
-    kernel's, and the gradient from its kept e against the reference."""
-    hidden, weight, target, _ = make_inputs(n, h, v, dtype=dtype, ignore_every=5, seed=n + v)
-    params = dataclasses.replace(params_for(v, **opts), optional_stats=frozenset())
-    assert hopper_head.supports(hidden, weight, None, params, triton_gemm._stat_flags(params))
-    logits = (hidden.double() @ weight.double().T).float()
-    ref = TorchTileOps().forward(logits, target, params)
-    stats, kept = triton_gemm.forward(hidden, weight, None, target, params, keep=True)
-    assert kept.tile_n == hopper_head.BN
-    with mock.patch.dict("os.environ", HF_FLCE_HOPPER_HEAD="0"):
-        triton_stats, _ = triton_gemm.forward(hidden, weight, None, target, params, keep=False)
-    for name in ("loss", "lse", "logprob"):
-        assert_close(getattr(stats, name), getattr(ref, name), 1e-5, name)
-        assert_close(getattr(stats, name), getattr(triton_stats, name), 1e-5, f"{name} against the Triton kernel")
-    no_grad, _ = triton_gemm.forward(hidden, weight, None, target, params, keep=False)
-    assert torch.equal(no_grad.lse, stats.lse)
-    upstream = torch.randn(n, generator=torch.Generator().manual_seed(v)).to(DEVICE)
-    expected = torch.empty_like(logits)
-    TorchTileOps().backward(logits, target, ref.lse, ref.entropy, params, upstream, None, None, expected)
-    grad = triton_gemm.gradient(kept, target, stats.lse, stats.entropy, params, torch.float32, upstream)
-    assert_close(grad, expected, 2e-3, "gradient from the kept e")
-
-
-@pytest.mark.gpu
-@mock.patch.dict("os.environ", HF_FLCE_HOPPER_HEAD="1")
-def test_hopper_head_refusals():
-    """Bias, softcap, optional statistics, float32 or rows TMA cannot address take the Triton kernel; so does
-    everything unless it is switched on."""
-    hidden, weight, _, bias = make_inputs(8, 64, 1000, dtype=torch.bfloat16, bias=True)
-    params = dataclasses.replace(params_for(1000), optional_stats=frozenset())
-    plain = triton_gemm._stat_flags(params)
-    assert hopper_head.supports(hidden, weight, None, params, plain) == HOPPER
-    assert not hopper_head.supports(hidden, weight, bias, params, plain)
-    assert not hopper_head.supports(hidden, weight, None, params, {**plain, "ENTROPY": True})
-    assert not hopper_head.supports(hidden.float(), weight.float(), None, params, plain)
-    assert not hopper_head.supports(hidden[:, 1:9], weight[:, :8], None, params, plain)  # rows not 16-byte aligned
-    assert not hopper_head.supports(hidden[:0], weight, None, params, plain)
-    assert not hopper_head.supports(hidden, weight, None, dataclasses.replace(params, softcap=30.0), plain)
-    with mock.patch.dict("os.environ", HF_FLCE_HOPPER_HEAD="0"):
-        assert not hopper_head.supports(hidden, weight, None, params, plain)

@@ -1,4 +1,4 @@
-"""The warp-specialized Hopper GEMM skeleton (Gluon) that ``hopper_dw`` and ``hopper_head`` share.
+"""The warp-specialized Hopper GEMM skeleton (Gluon) that ``hopper_dw`` runs on.
 
 Per program (one per SM):
 

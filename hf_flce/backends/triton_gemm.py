@@ -1175,16 +1175,8 @@ def forward(
         empty = torch.empty(0, e_columns, dtype=torch.float16, device=dev)
         return stats, (KeptSoftmax(empty, stats.loss.view(1, 0), 1, stats.loss) if keep else None)
     mode = MODE_SCALED if scaled else MODE_KEEP if keep else MODE_STATS
-    from . import hopper_head  # builds on this module's jit functions
-
-    warp_specialized = (
-        not scaled
-        and not partial
-        and rows_on_device is None
-        and hopper_head.supports(x, weight, bias, params, _stat_flags(params))
-    )
     # Sized for the narrowest tile this launch may run; the kernel indexes them by the tile width the autotuner picked.
-    max_tiles = triton.cdiv(vocab, hopper_head.BN) if warp_specialized else _max_tiles(vocab, _tma_usable(x, weight))
+    max_tiles = _max_tiles(vocab, _tma_usable(x, weight))
     partials = torch.empty(_planes(params) * max_tiles * n, **f32)
     best = torch.empty(max_tiles * n if _stat_flags(params)["TOP1"] else 1, dtype=torch.int32, device=dev)
     fixed_ref = scaled and _row_reference(params)
@@ -1196,32 +1188,28 @@ def forward(
     if scaled:
         e = torch.empty(n, vocab, dtype=x.dtype, device=dev)
     elif keep:
-        e = hopper_head.empty_e(n, vocab, dev) if warp_specialized else torch.empty(n, e_columns, **f16)
+        e = torch.empty(n, e_columns, **f16)
     with TritonTileOps._device_guard(dev):
-        if warp_specialized:
-            hopper_head.statistics(x, weight, params, partials, e)
-            tile_n = hopper_head.BN
-        else:
-            config = _gemm(
-                x,
-                weight,
-                bias,
-                target,
-                params,
-                mode,
-                e,
-                partials,
-                best,
-                None,
-                None,
-                (None,) * 3,
-                rows_on_device,
-                t_y,
-                fixed_ref,
-                out_columns=e_columns,
-            )
-            # the partials' layout follows the tile width the autotuner picked for this launch
-            tile_n = config.kwargs["BN"]
+        config = _gemm(
+            x,
+            weight,
+            bias,
+            target,
+            params,
+            mode,
+            e,
+            partials,
+            best,
+            None,
+            None,
+            (None,) * 3,
+            rows_on_device,
+            t_y,
+            fixed_ref,
+            out_columns=e_columns,
+        )
+        # the partials' layout follows the tile width the autotuner picked for this launch
+        tile_n = config.kwargs["BN"]
         # allocated after the GEMM's launch: in an isolated call the GPU waits for nothing but the host
         stats = TileStats.empty(n, dev)
         if t_y is None:
