@@ -7,7 +7,8 @@
    ``memory_budget`` (the default is 1 GiB): what bigger chunks buy.
 2. ``tiles``: the Triton forward-with-gradient pass over one chunk, writing the bf16 gradient into a separate buffer
    or over the second half of each float32 row (the engine's default, with a barrier per block): ms and TB/s.
-3. ``kernels``: torch.profiler's CUDA time per kernel family for one fwd+bwd at the default budget.
+3. ``kernels``: torch.profiler's CUDA time per kernel for one fwd+bwd at the default budget and for the floor's
+   three GEMMs, each profiled after 0.5 s of both in turns: which kernel the gap to the floor is in.
 4. ``sweep``: the three tile passes (statistics, forward with gradient, backward) for several (block, num_warps) at
    a few chunk sizes: the data behind ``launch_config``.
 5. ``epilogue``: the logits GEMM with the softmax in its epilogue (``backends/triton_gemm.py``) against cuBLAS at
@@ -112,7 +113,7 @@ def budget_sweep(name: str) -> list[dict]:
         budget = mib << 20
 
         def step(budget=budget):
-            loss = hf_flce.fused_linear_cross_entropy(x, w, y, memory_budget=budget)
+            loss = hf_flce.fused_linear_cross_entropy(x, w, y, memory_budget=budget, softcap=shape_softcap(name))
             return torch.autograd.grad(loss, (x, w))
 
         ms = timed(step)
@@ -228,34 +229,99 @@ def _kernel_ms(fn) -> dict[str, float]:
     return times
 
 
-def kernel_breakdown(name: str) -> dict:
+def _kernel_role(name: str) -> str:
+    key = name.lower()
+    if "_head_gemm_kernel" in key:
+        return "head GEMM (epilogue)"
+    if any(s in key for s in ("gemm", "cutlass", "sm90", "xmma", "nvjet")):
+        # cuBLAS's Hopper kernels name the beta mode: bz writes C, badd adds into it (the dW accumulator)
+        return "cuBLAS " + ("beta=1 " if "badd" in key else "") + name.split("(")[0][-48:]
+    return name.split("(")[0][:60]
+
+
+def kernel_breakdown(name: str, rounds: int = 3) -> dict:
+    """Per kernel, the CUDA time of one fwd+bwd at the default budget and of the floor's three GEMMs (``X W^T``,
+    ``G W``, ``G^T X`` with ``G`` those logits, as ``benchmark_kernel.py`` times it), in turns under one profiler
+    session after 0.5 s of the same load: both run at the clocks the pair settles at (at its power limit a GPU's clock
+    follows the load's power, which depends on the operands' data)."""
     n, h, v = SHAPES[name]
     x, w, y = inputs(n, h, v)
+    softcap = shape_softcap(name)
 
     def step():
-        loss = hf_flce.fused_linear_cross_entropy(x, w, y)
+        loss = hf_flce.fused_linear_cross_entropy(x, w, y, softcap=softcap)
         return torch.autograd.grad(loss, (x, w))
 
-    families: dict[str, float] = {}
-    for name_, ms in _kernel_ms(step).items():
-        key = name_.lower()
-        family = (
-            "gemm"
-            if any(s in key for s in ("gemm", "cutlass", "sm90", "xmma", "nvjet"))
-            else "triton tiles"
-            if "_tile_kernel" in key
-            else "epilogue gemm"
-            if "_head_gemm_kernel" in key
-            else "gradient pass"
-            if "_grad_from_e" in key
-            else "merge"
-            if "_merge_kernel" in key
-            else "other: " + name_[:60]
-        )
-        families[family] = families.get(family, 0.0) + ms
-    top = dict(sorted(families.items(), key=lambda kv: -kv[1])[:12])
-    print(f"{name:>11} kernels (ms): " + ", ".join(f"{k} {t:.2f}" for k, t in top.items()), flush=True)
-    return dict(shape=name, ms_by_family=top)
+    xs, ws = x.detach(), w.detach()
+    g = torch.empty(n, v, device="cuda", dtype=torch.bfloat16)
+    dx, dw = torch.empty_like(xs), torch.empty_like(ws)
+
+    def floor():
+        torch.mm(xs, ws.T, out=g)
+        torch.mm(g, ws, out=dx)
+        torch.mm(g.T, xs, out=dw)
+
+    phases = (("ours", step), ("floor", floor))
+    stop = time.perf_counter() + 0.5
+    while time.perf_counter() < stop:
+        for _, fn in phases:
+            fn()
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(rounds):
+            for label, fn in phases:
+                with torch.profiler.record_function(label):
+                    fn()
+                    torch.cuda.synchronize()
+    events = prof.events()
+    ranges = [(e.name, e.time_range) for e in events if e.name in dict(phases)]
+    result = dict(shape=name, softcap=softcap, rounds=rounds)
+    by_phase: dict[str, dict[str, list]] = {label: {} for label, _ in phases}
+    by_range: dict[int, list] = {}
+    for e in sorted(events, key=lambda e: e.time_range.start):
+        if e.device_type != torch.autograd.DeviceType.CUDA or e.name in dict(phases):
+            continue
+        index = next((i for i, (_, r) in enumerate(ranges) if r.start <= e.time_range.start <= r.end), None)
+        if index is None:
+            continue
+        by_range.setdefault(index, []).append(e)
+        role = by_phase[ranges[index][0]].setdefault(_kernel_role(e.name), [0.0, 0])
+        role[0] += (e.time_range.end - e.time_range.start) / 1e3 / rounds
+        role[1] += 1
+    # the GPU's idle time inside a call: from its first kernel's start to its last kernel's end, less the kernels
+    # (where the host falls behind the GPU, or waits for it), and the longest gaps with the kernels around them
+    for label, _ in phases:
+        kernels = [ks for i, ks in by_range.items() if ranges[i][0] == label]
+        span = sum(ks[-1].time_range.end - ks[0].time_range.start for ks in kernels) / 1e3 / rounds
+        busy = sum(e.time_range.end - e.time_range.start for ks in kernels for e in ks) / 1e3 / rounds
+        result[label + "_span_ms"] = span
+        result[label + "_idle_ms"] = span - busy
+        gaps = [
+            ((b.time_range.start - a.time_range.end) / 1e3, _kernel_role(a.name), _kernel_role(b.name))
+            for ks in kernels[-1:]
+            for a, b in zip(ks, ks[1:])
+        ]
+        result[label + "_longest_gaps"] = sorted(gaps, reverse=True)[:6]
+    for label, roles in by_phase.items():
+        for role in roles.values():
+            role[1] //= rounds
+        result[label] = dict(sorted(roles.items(), key=lambda kv: -kv[1][0]))
+        result[label + "_total_ms"] = sum(ms for ms, _ in roles.values())
+    print(
+        f"{name:>11}: kernels ours {result['ours_total_ms']:.2f} ms, floor {result['floor_total_ms']:.2f} ms "
+        f"({result['ours_total_ms'] / result['floor_total_ms']:.3f}x); first kernel to last, ours "
+        f"{result['ours_span_ms']:.2f} ms (idle {result['ours_idle_ms']:.2f}), floor {result['floor_span_ms']:.2f} ms "
+        f"(idle {result['floor_idle_ms']:.2f})",
+        flush=True,
+    )
+    for label, _ in phases:
+        for role, (ms, count) in result[label].items():
+            if ms >= 0.01:
+                print(f"    {label:>5} {ms:7.3f} ms  x{count:<3d} {role}", flush=True)
+    for gap, before, after in result["ours_longest_gaps"]:
+        print(f"    gap {gap:6.3f} ms after {before} before {after}", flush=True)
+    return result
 
 
 def _extra_gib(fn) -> float:

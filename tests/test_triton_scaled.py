@@ -228,24 +228,37 @@ def _launches_and_reads(hidden, weight, target, deferred=True, **opts):
     return events, result
 
 
-@pytest.mark.parametrize("kept", ["all", "fewer than the first chunk", "one past the first chunk", "none"])
+@pytest.mark.parametrize(
+    "kept",
+    ["all", "fewer than the first chunk", "one past the first chunk", "a chunk fewer than all rows take", "none"],
+)
 def test_first_chunk_is_launched_before_the_kept_count_is_read(kept, scaled_calls):
     """The first chunk's GEMM reads the kept count from device memory, so the host reads it only once that GEMM is
-    launched; the first chunk is planned as if every row were kept, and the rest of the call from the count."""
-    n, budget = 48, 3072  # chunks of about 12 rows: sized by the budget, not by the accumulator rule
-    hidden, weight, target, _ = make_inputs(n, 16, 120, ignore_every=0)
+    launched. The first chunk takes as many rows as the budget holds (every row could be kept), and the rest of the
+    call is planned from the count, in as few chunks as the budget allows: 44 kept rows of 48 at 11 rows per chunk
+    take 4 chunks, where chunks balanced over all 48 rows (10 each) would take 5."""
+    n, v = 48, 120
+    hidden, weight, target, _ = make_inputs(n, 16, v, ignore_every=0)
     hidden, weight = hidden.bfloat16(), weight.bfloat16()
-    events, _ = _launches_and_reads(hidden, weight, target, memory_budget=budget)
-    first = -(-n // events.count("gemm"))  # every row kept: balanced chunks
-    assert events[:2] == ["gemm", "read"] and events.count("read") == 1 and first < n
+    first = 11
+    row_bytes = int(v * triton_gemm.bytes_per_logit(v, params_for(v, stats=frozenset())))
+    budget = first * row_bytes + row_bytes // 2  # sized by the budget, not by the accumulator rule
     positions = torch.randperm(n, generator=torch.Generator().manual_seed(3))
-    keep = {"all": n, "fewer than the first chunk": first - 3, "one past the first chunk": first + 1, "none": 0}[kept]
+    keep = {
+        "all": n,
+        "fewer than the first chunk": first - 3,
+        "one past the first chunk": first + 1,
+        "a chunk fewer than all rows take": 4 * first,
+        "none": 0,
+    }[kept]
     target = target.clone()
     target[positions[keep:].to(DEVICE)] = -100
     events, (loss, dx, dw) = _launches_and_reads(hidden, weight, target, memory_budget=budget)
     assert events[:2] == ["gemm", "read"] and events.count("read") == 1
-    assert events.count("gemm") == {n: -(-n // first), first - 3: 1, first + 1: 2, 0: 1}[keep]
+    n_chunks = max(1, -(-keep // first))
+    assert events.count("gemm") == n_chunks
     if keep:
+        assert scaled_calls["chunks"] == n_chunks
         assert_no_worse(hidden, weight, target, memory_budget=budget)
     else:
         assert loss.item() == 0.0 and not dx.abs().sum() and not dw.abs().sum()
