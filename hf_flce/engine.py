@@ -197,8 +197,7 @@ def plan_chunk_rows(
     n_rows: int, vocab: int, bytes_per_logit: float, budget: int, accumulator_bytes: int = 0, balanced: bool = True
 ) -> int:
     """Rows per chunk: as many as ``budget`` bytes of per-logit buffers allow, balanced so the last chunk is not a
-    sliver (``balanced=False``: as many as the budget allows, for a first chunk planned before the kept rows are
-    counted). Several chunks need a dW accumulator (``accumulator_bytes`` beyond the gradient), so one chunk is taken
+    sliver (``balanced=False``: as many as the budget allows). Several chunks need a dW accumulator (``accumulator_bytes`` beyond the gradient), so one chunk is taken
     whenever it costs no more memory than that accumulator plus a budget-sized chunk."""
     if n_rows == 0:
         return 1
@@ -408,18 +407,16 @@ def _accumulator_bytes(residual, weight: torch.Tensor, need_dw: bool) -> int:
     return weight.numel() * (1 if residual is not None else 4)
 
 
-def _plan_rows(
-    plan: CallPlan, n_rows: int, vocab: int, per_logit, residual, accumulator: int, logits_16bit, balanced=True
-):
-    """Rows per chunk (``plan_chunk_rows``). The budget covers the chunk buffers and an int8 dW residual (``V H``
-    bytes): the memory the call takes beyond its inputs and gradients stays within it, chunks getting at least a
-    quarter. A float32 accumulator (no residual GEMM: before Hopper, or on CPU) comes on top of the budget: it is 4
-    bytes per weight, and every extra chunk would cost a pass over it."""
+def _plan_rows(plan: CallPlan, n_rows: int, vocab: int, per_logit, residual, accumulator: int, logits_16bit):
+    """Rows per chunk. The budget covers the chunk buffers and an int8 dW residual (``V H`` bytes): the memory the
+    call takes beyond its inputs and gradients stays within it, chunks getting at least a quarter. A float32
+    accumulator (no residual GEMM: before Hopper, or on CPU) comes on top of the budget: it is 4 bytes per weight,
+    and every extra chunk would cost a pass over it."""
     budget = max(plan.budget - accumulator, plan.budget // 4) if residual is not None else plan.budget
-    chunk = plan_chunk_rows(n_rows, vocab, per_logit, budget, accumulator, balanced)
+    chunk = plan_chunk_rows(n_rows, vocab, per_logit, budget, accumulator)
     if logits_16bit and accumulator and chunk < n_rows:
         # several chunks: dw_product upcasts each chunk's 16-bit gradient (CPU has no float32-output GEMM)
-        chunk = plan_chunk_rows(n_rows, vocab, per_logit + 4, budget, accumulator, balanced)
+        chunk = plan_chunk_rows(n_rows, vocab, per_logit + 4, budget, accumulator)
     return chunk
 
 
@@ -660,11 +657,9 @@ def _forward(x, weight, bias, target, plan: CallPlan, needs_input_grad) -> tuple
     # it (with the targets' range) while the GEMM runs. The first chunk is then planned as if every row were kept,
     # so this is done only where that chunk fits the budget: where one chunk is taken for costing less than the
     # accumulator it saves, sizing it by every row would spend up to that accumulator more.
-    # That chunk takes as many rows as the budget holds, the rest being balanced once the count is known: balanced
-    # over every row before then, it could cost a chunk (gemma2-2b with every 17th row ignored: 5 chunks, not 4).
     deferred = False
     if scaled and n > 0 and _can_compact():
-        chunk = _plan_rows(plan, n, vocab, per_logit, residual, accumulator, logits_16bit, balanced=False)
+        chunk = _plan_rows(plan, n, vocab, per_logit, residual, accumulator, logits_16bit)
         deferred = chunk * vocab * per_logit <= plan.budget
     if deferred:
         compaction = _DeviceCompaction.start(fused, target, vocab, ignore_index)
@@ -687,15 +682,18 @@ def _forward(x, weight, bias, target, plan: CallPlan, needs_input_grad) -> tuple
     keep = keep_logits or keep_columns is not None
 
     def settle() -> int:
-        """The deferred first chunk's rows that are kept, once the host has read the count; the rest is planned in
-        chunks no larger than the first."""
+        """The deferred first chunk's rows that are kept, once the host has read the count. The rest is planned in as
+        few chunks as the budget allows, balanced among themselves: the first was sized for every row, and chunks no
+        larger than it can take one more where rows were dropped (gemma2-2b with every 17th row ignored: 5 instead
+        of 4). Where they take no fewer, they are no larger than the first either, so the peak does not move."""
         nonlocal rows, ys, n_valid, chunk, n_chunks
         n_kept = compaction.kept_count()
         rows, ys = compaction.kept(n_kept, target)
         first, n_valid = chunk, n_kept
         rest = max(0, n_kept - first)
-        n_rest = -(-rest // first)
-        if n_rest:
+        n_rest = 0
+        if rest:
+            n_rest = -(-rest // plan_chunk_rows(rest, vocab, per_logit, plan.budget, balanced=False))
             chunk = -(-rest // n_rest)
         n_chunks = 1 + n_rest
         return min(n_kept, first)

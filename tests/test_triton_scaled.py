@@ -230,32 +230,38 @@ def _launches_and_reads(hidden, weight, target, deferred=True, **opts):
 
 @pytest.mark.parametrize(
     "kept",
-    ["all", "fewer than the first chunk", "one past the first chunk", "a chunk fewer than all rows take", "none"],
+    [
+        "all",
+        "fewer than the first chunk",
+        "one past the first chunk",
+        "a chunk fewer than the first's size takes",
+        "none",
+    ],
 )
 def test_first_chunk_is_launched_before_the_kept_count_is_read(kept, scaled_calls):
     """The first chunk's GEMM reads the kept count from device memory, so the host reads it only once that GEMM is
-    launched. The first chunk takes as many rows as the budget holds (every row could be kept), and the rest of the
-    call is planned from the count, in as few chunks as the budget allows: 44 kept rows of 48 at 11 rows per chunk
-    take 4 chunks, where chunks balanced over all 48 rows (10 each) would take 5."""
-    n, v = 48, 120
+    launched. The first chunk is planned as if every row were kept (48 rows at up to 11 per chunk: 5 chunks of 10),
+    the rest of the call from the count, in as few chunks as the budget allows: 33 rows after the first take 3
+    chunks of 11, where chunks of the first's size would take 4."""
+    n, v, most = 48, 120, 11
     hidden, weight, target, _ = make_inputs(n, 16, v, ignore_every=0)
     hidden, weight = hidden.bfloat16(), weight.bfloat16()
-    first = 11
     row_bytes = int(v * triton_gemm.bytes_per_logit(v, params_for(v, stats=frozenset())))
-    budget = first * row_bytes + row_bytes // 2  # sized by the budget, not by the accumulator rule
+    budget = most * row_bytes + row_bytes // 2  # sized by the budget, not by the accumulator rule
+    first = -(-n // -(-n // most))
     positions = torch.randperm(n, generator=torch.Generator().manual_seed(3))
     keep = {
         "all": n,
         "fewer than the first chunk": first - 3,
         "one past the first chunk": first + 1,
-        "a chunk fewer than all rows take": 4 * first,
+        "a chunk fewer than the first's size takes": first + 3 * most,
         "none": 0,
     }[kept]
     target = target.clone()
     target[positions[keep:].to(DEVICE)] = -100
     events, (loss, dx, dw) = _launches_and_reads(hidden, weight, target, memory_budget=budget)
     assert events[:2] == ["gemm", "read"] and events.count("read") == 1
-    n_chunks = max(1, -(-keep // first))
+    n_chunks = 1 + -(-max(0, keep - first) // most)
     assert events.count("gemm") == n_chunks
     if keep:
         assert scaled_calls["chunks"] == n_chunks
