@@ -50,6 +50,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -58,6 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_common import Device, median  # noqa: E402
 
 import hf_flce  # noqa: E402
+from hf_flce import engine  # noqa: E402
 from hf_flce.backends import resolve_backend, triton_gemm  # noqa: E402
 from hf_flce.backends.base import TileParams  # noqa: E402
 from hf_flce.backends.triton_tiles import TritonTileOps, launch_config  # noqa: E402
@@ -120,11 +122,10 @@ def budget_sweep(name: str) -> list[dict]:
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        grads = step()
+        with mock.patch.object(engine, "_chunk_forward", wraps=engine._chunk_forward) as chunk_forward:
+            grads = step()
         extra = torch.cuda.max_memory_allocated() - base - sum(g.nbytes for g in grads)
         del grads
-        n_valid = int((y != -100).sum())
-        chunk = plan_chunk_rows(n_valid, v, 4, budget, 4 * v * h)
         rows.append(
             dict(
                 shape=name,
@@ -132,7 +133,7 @@ def budget_sweep(name: str) -> list[dict]:
                 ms=ms,
                 ratio=ms / floor,
                 floor_ms=floor,
-                chunks=-(-n_valid // chunk),
+                chunks=chunk_forward.call_count,
                 extra_minus_grads_gib=extra / GiB,
             )
         )
