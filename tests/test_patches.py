@@ -6,6 +6,7 @@ import copy
 import gc
 import inspect
 import warnings
+from types import MethodType
 
 import pytest
 import torch
@@ -454,6 +455,43 @@ def test_late_patching_after_accelerate_prepare():
         assert early(input_ids=ids, labels=labels).logits is not None
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
+
+
+@pytest.mark.parametrize("name", ["LlamaForCausalLM", "Qwen3MoeForCausalLM"])
+def test_patch_after_accelerate_dispatch(name):
+    """A model dispatched by accelerate (``from_pretrained(device_map=...)``, offload) has its forward wrapped on the
+    instance by a hook that calls ``_old_forward``: the patch goes there, every hook keeps running, and revert and
+    re-apply work. Mixed precision prepared on top of the hooks wraps them once more, and the patch still lands."""
+    pytest.importorskip("accelerate")
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
+    class CountingHook(ModelHook):
+        calls = 0
+
+        def pre_forward(self, module, *args, **kwargs):
+            CountingHook.calls += 1
+            return args, kwargs
+
+    stock = make_model(name)
+    model = copy.deepcopy(stock)
+    add_hook_to_module(model, CountingHook())
+    add_hook_to_module(model.lm_head, CountingHook())
+    ids, labels = make_batch()
+    apply_flce(model)
+    assert_same_training(model, stock, input_ids=ids, labels=labels)
+    assert CountingHook.calls == 2  # the model's hook and the head's: the fused loss runs as the head's forward
+    revert_flce(model)
+    out = model(input_ids=ids, labels=labels)
+    torch.testing.assert_close(out.logits, stock(input_ids=ids, labels=labels).logits, rtol=0, atol=0)
+    apply_flce(model, z_loss=1e-2)
+    assert model(input_ids=ids, labels=labels).loss > out.loss
+
+    model = copy.deepcopy(stock)
+    add_hook_to_module(model, CountingHook())
+    model._original_forward = model.forward  # how accelerate's mixed-precision wrapper goes on top
+    model.forward = MethodType(lambda self, *a, **k: self._original_forward(*a, **k), model)
+    apply_flce(model)
+    assert_same_training(model, stock, input_ids=ids, labels=labels)
 
 
 def test_lazy_exports():

@@ -65,7 +65,8 @@ def apply_flce(model: M | None = None, **options: Unpack[PatchKwargs]) -> M | No
     Raises:
         ValueError: the model is not a supported class.
         RuntimeError: the forward was already wrapped on the instance (``accelerator.prepare`` under mixed precision)
-            around the stock forward, where a patch could not take effect.
+            around the stock forward, where a patch could not take effect. A model dispatched by accelerate
+            (``from_pretrained(device_map="auto")``, offload) is patched inside its hooks.
 
     Example:
         >>> import torch
@@ -199,6 +200,10 @@ def _apply(families: tuple[str, ...], model: M | None, options: PatchKwargs, cal
     current = base.__dict__.get("forward")
     if current is None or _func(current) is fused:
         base.forward = MethodType(fused, base)
+    elif _hooked_forward(base) in (stock_forward(cls), fused):
+        # accelerate's hooks (``device_map`` dispatch, offload) call the bound method kept in ``_old_forward`` at each
+        # call, inside whatever wraps them: replaced there, the hook still moves the inputs and the loss
+        base._old_forward = MethodType(fused, base)
     elif _func(base.__dict__.get("_original_forward")) is not fused:
         raise RuntimeError(
             f"{caller}: {type(base).__name__}.forward is already wrapped on this instance ({_describe(current)}, e.g. "
@@ -226,12 +231,21 @@ def _describe(method: object) -> str:
     return f"{getattr(func, '__module__', '?')}.{getattr(func, '__qualname__', type(func).__name__)}"
 
 
+def _hooked_forward(module: nn.Module) -> object:
+    """The function that accelerate's hook wrapper on ``module`` calls (``add_hook_to_module`` keeps it bound in
+    ``_old_forward``), or None without a hook."""
+    if getattr(module, "_hf_hook", None) is None or "_old_forward" not in module.__dict__:
+        return None
+    return _func(module.__dict__["_old_forward"])
+
+
 def _routes_to_fused(module: nn.Module) -> bool:
     """Whether calling ``module`` still reaches a fused forward (class patch, or an instance wrapper around one)."""
     current = module.__dict__.get("forward")
     if current is None:
         return type(module).forward in FUSED_FORWARDS
-    return _func(current) in FUSED_FORWARDS or _func(module.__dict__.get("_original_forward")) in FUSED_FORWARDS
+    wrapped = (_func(current), _func(module.__dict__.get("_original_forward")), _hooked_forward(module))
+    return any(f in FUSED_FORWARDS for f in wrapped)
 
 
 def _warn_unreachable_instances(classes: tuple[type, ...], caller: str) -> None:
