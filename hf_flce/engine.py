@@ -197,8 +197,9 @@ def plan_chunk_rows(
     n_rows: int, vocab: int, bytes_per_logit: float, budget: int, accumulator_bytes: int = 0, balanced: bool = True
 ) -> int:
     """Rows per chunk: as many as ``budget`` bytes of per-logit buffers allow, balanced so the last chunk is not a
-    sliver (``balanced=False``: as many as the budget allows). Several chunks need a dW accumulator (``accumulator_bytes`` beyond the gradient), so one chunk is taken
-    whenever it costs no more memory than that accumulator plus a budget-sized chunk."""
+    sliver (``balanced=False``: as many as the budget allows). Several chunks need a dW accumulator
+    (``accumulator_bytes`` beyond the gradient), so one chunk is taken whenever it costs no more memory than that
+    accumulator plus a budget-sized chunk."""
     if n_rows == 0:
         return 1
     bytes_per_row = max(1, int(vocab * bytes_per_logit))
