@@ -243,7 +243,9 @@ class _VocabParallelFunction(torch.autograd.Function):
         xs = x.index_select(0, rows)
         chunk = max(n_valid, 1) if kept is not None else max(1, plan.budget // (weight.shape[0] * _BYTES_PER_LOGIT))
         need = ctx.needs_input_grad[:3]
-        grads = _GradBuffers(n_valid, xs.dtype, weight, weight.dtype, -(-n_valid // chunk), *need)
+        n_chunks = -(-n_valid // chunk)
+        chunk_bytes = chunk * weight.shape[0] * _BYTES_PER_LOGIT
+        grads = _GradBuffers(n_valid, xs.dtype, weight, weight.dtype, n_chunks, *need, chunk_bytes=chunk_bytes)
         for start, end in _chunks(n_valid, chunk):
             sl = slice(start, end)
             logits = kept if kept is not None else compute_logits(xs[sl], weight, bias)

@@ -580,6 +580,41 @@ def test_cpu_16bit_chunks_keep_dw_in_float32():
     assert ((dw_product(g, xs).double() - exact).norm() / exact.norm()).item() < 1e-6
 
 
+@pytest.mark.parametrize("v", [131, 132])
+@pytest.mark.parametrize("upstream", [1.0, 0.37])
+def test_dw_summed_across_chunks_is_cast_into_its_own_memory(v, upstream):
+    # A 16-bit weight's dW summed over several chunks: the float32 sum's two row blocks, the 16-bit result written
+    # over the first one's float32 values in doubling spans (here from the 7th value on), the second block freed.
+    torch.manual_seed(5)
+    x, w, y, _ = _problem(n=400, h=48, v=v, dtype=torch.bfloat16, ignore_every=7)
+    xr, wr = x.double().requires_grad_(), w.double().requires_grad_()
+    ref, _ = reference_linear_cross_entropy(xr, wr, y)
+    (ref * upstream).backward()
+    made = []
+
+    class Spy(engine._SplitDWSum):
+        FIRST = 7
+
+        def __init__(self, vocab):
+            super().__init__(vocab)
+            made.append(self)
+
+    wo = w.clone().requires_grad_()
+    with mock.patch.object(engine, "_SplitDWSum", Spy):
+        loss = hf_flce.fused_linear_cross_entropy(x, wo, y, memory_budget=16 * v * 2)
+        (loss * upstream).backward()
+    assert len(made) == 1 and made[0].split == -(-v // 2)
+    torch.testing.assert_close(wo.grad.double(), wr.grad, rtol=2e-2, atol=2e-3)
+    # the result lives in the first block's memory: 2 V H bytes, plus one row of float32 where V is odd
+    assert wo.grad.untyped_storage().nbytes() == 4 * made[0].split * 48 == 2 * (v + v % 2) * 48
+    torch.testing.assert_close(loss.double(), ref.detach(), rtol=1e-2, atol=1e-3)
+    # split only for a 16-bit weight, and where the gradient is at least 1.5 chunks' buffers
+    grad_bytes = v * 48 * 2
+    assert engine._SplitDWSum.lowers_the_peak(w, torch.bfloat16, grad_bytes * 2 // 3)
+    assert not engine._SplitDWSum.lowers_the_peak(w, torch.bfloat16, grad_bytes * 2 // 3 + 1)
+    assert not engine._SplitDWSum.lowers_the_peak(w.float(), torch.float32, 0)
+
+
 def test_cpu_top1_with_ties_and_nan_rows_is_argmax():
     # The CPU tile pass only runs argmax where the target logit equals the row max; ties and NaN rows must still
     # give exactly torch.argmax's answer (first index wins; NaN is the max).

@@ -5,7 +5,9 @@ docs/PERF_NOTES.md v15) shows here before a benchmark run.
 The bounds, beyond the two gradients (dX, dW) and the inputs, at the default 1 GiB budget:
 - default: the float32 dW accumulator ``4 V H`` (a single chunk is taken when its bf16 ``E`` is no larger than the
   accumulator plus the budget, so the accumulator's size bounds that case too at these N);
-- lean (``HF_FLCE_DW_RESIDUAL=1``): the budget, which covers the int8 residual and the chunks (issue #6's target 2).
+- lean (``HF_FLCE_DW_RESIDUAL=1``): the budget, which covers the int8 residual and the chunks (issue #6's target 2);
+- at the budget of a head inside a model (512 MiB): the accumulator's half that is not the gradient (``2 V H``) plus
+  the budget. The accumulator is cast into its own memory, so the cast never holds ``6 V H`` bytes.
 Each plus 96 MiB for the small per-row buffers and cuBLAS's workspace.
 """
 
@@ -30,7 +32,7 @@ GiB, MiB = 1 << 30, 1 << 20
 SLACK = 96 * MiB
 
 
-def extra_beyond_grads(n: int, lean: bool) -> tuple[float, float]:
+def extra_beyond_grads(n: int, lean: bool, budget: int | None = None) -> tuple[float, float]:
     """(peak bytes of one fwd+bwd above the inputs, minus dX and dW; the float32 accumulator's size)."""
     if torch.cuda.get_device_properties(0).total_memory < 40 * GiB:
         pytest.skip("needs a GPU with 40 GiB")
@@ -43,7 +45,7 @@ def extra_beyond_grads(n: int, lean: bool) -> tuple[float, float]:
 
     def step():
         with mock.patch.object(hf_flce.api, "resolve_backend", lambda backend, device: tiles):
-            loss = hf_flce.fused_linear_cross_entropy(x, w, y, backend="triton")
+            loss = hf_flce.fused_linear_cross_entropy(x, w, y, backend="triton", memory_budget=budget)
         loss.backward()
 
     step()  # compiles the kernels and sizes cuBLAS's workspace
@@ -67,3 +69,11 @@ def test_lean_stays_within_the_budget(n):
         pytest.skip("the residual dW GEMM runs on Hopper and newer")
     beyond, _ = extra_beyond_grads(n, lean=True)
     assert beyond <= GiB + SLACK, f"{beyond / GiB:.3f} GiB beyond the gradients"
+
+
+def test_in_model_budget_casts_the_accumulator_in_place():
+    budget = 512 * MiB
+    beyond, accumulator = extra_beyond_grads(32768, lean=False, budget=budget)
+    assert beyond <= accumulator // 2 + budget + SLACK, (
+        f"{beyond / GiB:.3f} GiB beyond the gradients (half the accumulator {accumulator / 2 / GiB:.3f} + the budget)"
+    )

@@ -80,9 +80,17 @@ def row_reference(request):
         yield request.param
 
 
+@pytest.fixture(params=[True, False], ids=["dw-split", "dw-whole"])
+def dw_split(request):
+    """A 16-bit dW summed over chunks in two row blocks (``engine._SplitDWSum``, its target rows added into both by
+    one launch) or in one float32 accumulator, whatever the sizes would pick."""
+    with mock.patch.object(engine._SplitDWSum, "lowers_the_peak", staticmethod(lambda *args: request.param)):
+        yield request.param
+
+
 @pytest.mark.parametrize("names", NAMES, ids=lambda c: "+".join(c) or "plain")
 @pytest.mark.parametrize("budget", [None, 8192], ids=["one-chunk", "chunks"])
-def test_matches_reference(names, budget, row_reference, scaled_calls):
+def test_matches_reference(names, budget, row_reference, scaled_calls, dw_split):
     hidden, weight, target, _, opts = build(names, n=60, v=300, ignore_every=4)
     assert_no_worse(hidden.bfloat16(), weight.bfloat16(), target, memory_budget=budget, **opts)
     assert scaled_calls["chunks"] >= (3 if budget else 1)
@@ -126,11 +134,13 @@ def test_rows_past_the_range_are_recomputed(row_reference, scaled_calls):
     assert scaled_calls["chunks"] == 1
 
 
-def test_repeated_targets_sum_in_a_fixed_order(scaled_calls):
+def test_repeated_targets_sum_in_a_fixed_order(scaled_calls, dw_split):
     """Many rows sharing a target (runs longer than the correction kernel's block, and one run per chunk border):
-    dW's target rows are right, and two calls give identical bits."""
+    dW's target rows are right, and two calls give identical bits. One of the targets is in dW's second row block
+    when it is split."""
     hidden, weight, target, _ = make_inputs(150, 16, 64, ignore_every=7)
-    target = torch.where(target == -100, target, torch.where(torch.arange(150, device=DEVICE) % 3 == 0, 5, 9))
+    position = torch.arange(150, device=DEVICE) % 3
+    target = torch.where(target == -100, target, torch.where(position == 0, 5, torch.where(position == 1, 40, 9)))
     hidden, weight = hidden.bfloat16(), weight.bfloat16()
     first = assert_no_worse(hidden, weight, target, memory_budget=4096)
     second = grads(hidden, weight, target, True, memory_budget=4096)

@@ -246,6 +246,9 @@ def _target_rows_kernel(
     x_rows_ptr,
     dw_ptr,
     stride_dw,
+    upper_ptr,
+    stride_upper,
+    split,
     n,
     H,
     ignore_index,
@@ -256,7 +259,8 @@ def _target_rows_kernel(
     """``dW[v] += sum of c_i x_i over the rows i with target v``, the targets sorted (``order`` gives their rows). A
     block of BP sorted positions sums each run of equal targets by a segmented scan; the position ending a run adds
     the run's sum to its dW row, once, in float32. A run that began in an earlier block (a long run) also sums those
-    blocks' rows, walking back. The order of every sum is fixed: deterministic, no atomics."""
+    blocks' rows, walking back. The order of every sum is fixed: deterministic, no atomics. dW rows from ``split`` on
+    are those of ``upper``."""
     first = tl.program_id(0) * BP
     pos = first + tl.arange(0, BP)
     cols = tl.program_id(1) * BH + tl.arange(0, BH)
@@ -290,7 +294,13 @@ def _target_rows_kernel(
                 more = tl.sum(in_run.to(tl.int32), 0) == BP
                 last -= BP
             sums += tl.where((v == first_v)[:, None], earlier[None, :], 0.0)
-    dw_rows = dw_ptr + tl.where(ends, v, 0).to(tl.int64)[:, None] * stride_dw + cols[None, :]
+    row = tl.where(ends, v, 0).to(tl.int64)[:, None]
+    lower = row < split
+    dw_rows = tl.where(
+        lower,
+        dw_ptr + row * stride_dw + cols[None, :],
+        upper_ptr + (row - split) * stride_upper + cols[None, :],
+    )
     mask = ends[:, None] & col_ok[None, :]
     value = tl.load(dw_rows, mask=mask, other=0.0).to(tl.float32) + sums
     tl.store(dw_rows, value.to(dw_ptr.dtype.element_ty), mask=mask)
@@ -367,10 +377,12 @@ class ScaledGradient:
         target: torch.Tensor,
         target_coef: torch.Tensor,
         ignore_index: int,
+        dw_upper: torch.Tensor | None = None,
     ) -> None:
         """``dW[y_i] += c_i x_i`` over every kept row of a call (in float32, each dW row updated once), after its last
         chunk: one sort and one launch per call. Kept row ``i`` is row ``x_rows[i]`` of ``x``, or row ``i`` without
-        ``x_rows``; ``target`` and ``target_coef`` are per kept row."""
+        ``x_rows``; ``target`` and ``target_coef`` are per kept row. With ``dw_upper``, dW is split in two blocks of
+        rows: ``dw`` holds its first ``dw.shape[0]`` rows and ``dw_upper`` the rest."""
         n, h = target.shape[0], x.shape[1]
         if n == 0:
             return
@@ -388,6 +400,9 @@ class ScaledGradient:
                 order if x_rows is None else x_rows,
                 dw,
                 dw.stride(0),
+                dw if dw_upper is None or not dw_upper.numel() else dw_upper,
+                dw.stride(0) if dw_upper is None or not dw_upper.numel() else dw_upper.stride(0),
+                dw.shape[0],
                 n,
                 h,
                 ignore_index,
