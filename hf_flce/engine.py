@@ -256,19 +256,20 @@ class _SplitDWSum:
     ``[0, split)`` with ``split = ceil(V / 2)``, and the rest. The 16-bit result (``2 V H`` bytes) fits in the first
     block's memory (``4 split H`` bytes), so ``result`` casts into that memory and frees the second block. The sum and
     its cast are then never held together: that was ``6 V H`` bytes at the start of a model's backward, where all of
-    its activations are still alive (the SFT step's peak on llama3.2-1b), and is ``4 V H`` now."""
-
-    @staticmethod
-    def lowers_the_peak(weight: torch.Tensor, weight_dtype: torch.dtype, chunk_bytes: int) -> bool:
-        """Whether to split: for a 16-bit weight whose gradient is half a chunk's buffers larger than them or more.
-        The chunks' peak (the float32 sum and a chunk) stays, so the split lowers the call's peak by the gradient's
-        size less a chunk's. On thin H the two GEMMs of half the rows run 2-6% slower than one (v28, H100), and there
-        the gradient is small against the chunk."""
-        grad_bytes = weight.numel() * weight_dtype.itemsize
-        return weight_dtype.itemsize == 2 and 2 * grad_bytes >= 3 * chunk_bytes
+    its activations are still alive, and is ``4 V H`` now (llama3-8b's head at 32k tokens and 512 MiB: 0.49 GiB less
+    at the peak, docs/PERF_NOTES.md v28)."""
 
     # the first block's leading float32 values that are cast through a temporary (see ``result``)
     FIRST = 1 << 22
+
+    @staticmethod
+    def lowers_the_peak(weight: torch.Tensor, weight_dtype: torch.dtype, chunk_bytes: int) -> bool:
+        """Whether to split: for a 16-bit weight whose gradient is at least 1.5 times a chunk's buffers. The chunks'
+        moment (the float32 sum and a chunk) stays, so the split lowers the call's peak by the gradient's size less a
+        chunk's. On thin H the two GEMMs of half the rows run 2-6% slower than one (v28, H100), and there the gradient
+        is small against a chunk."""
+        grad_bytes = weight.numel() * weight_dtype.itemsize
+        return weight_dtype.itemsize == 2 and 2 * grad_bytes >= 3 * chunk_bytes
 
     def __init__(self, vocab: int):
         self.vocab = vocab
