@@ -12,6 +12,8 @@ Providers (each missing one is reported as ``n/a`` with its import error; a fail
   torch_lce    ``torch.nn.functional.linear_cross_entropy`` with ``LinearCrossEntropyOptions()`` (chunked), if present
   ours         ``hf_flce.fused_linear_cross_entropy`` (backend ``triton`` on CUDA, ``torch`` on CPU, ``ascend`` on NPU)
   ours_lean    the same with dW summed in the bf16 gradient plus an int8 residual (``HF_FLCE_DW_RESIDUAL=1``; CUDA)
+  ours_in_model  ``ours`` at the budget of a head inside a model (``hf_flce.options.in_model_budget``: half the op's
+               default), what the patchers and trainers run; not in the default list, name it in ``--providers``
 
 Inputs: ``X ~ N(0, 1)``, ``W ~ N(0, 0.02)``, every 17th target ignored, all bf16. ``peaked`` adds
 ``14 / |W[y]|^2 * W[y]`` to each non-ignored row of X (in fp32, with the bf16-rounded W), which raises its target
@@ -226,14 +228,16 @@ def _torch_lce(_: str) -> LossFn:
     return loss
 
 
-def _ours(kind: str) -> LossFn:
+def _ours(kind: str, in_model: bool = False) -> LossFn:
     import hf_flce
+    from hf_flce.options import in_model_budget
 
     backend = {"cuda": "triton", "npu": "ascend"}.get(kind, "torch")
+    budget = in_model_budget(None, torch.device(kind)) if in_model else None
 
     def loss(x, w, y, reduction, softcap):
         return hf_flce.fused_linear_cross_entropy(
-            x, w, y, ignore_index=IGNORE, reduction=reduction, softcap=softcap, backend=backend
+            x, w, y, ignore_index=IGNORE, reduction=reduction, softcap=softcap, backend=backend, memory_budget=budget
         )
 
     return loss
@@ -256,6 +260,7 @@ PROVIDERS = {
     "torch_lce": ProviderSpec(_torch_lce, softcap=False),
     "ours": ProviderSpec(_ours),
     "ours_lean": ProviderSpec(lambda kind: with_residual_dw(_ours(kind)), devices=("cuda",)),
+    "ours_in_model": ProviderSpec(lambda kind: _ours(kind, in_model=True)),
 }
 
 
