@@ -256,7 +256,7 @@ class _SplitDWSum:
     ``[0, split)`` with ``split = ceil(V / 2)``, and the rest. The 16-bit result (``2 V H`` bytes) fits in the first
     block's memory (``4 split H`` bytes), so ``result`` casts into that memory and frees the second block. The sum and
     its cast are then never held together: that was ``6 V H`` bytes at the start of a model's backward, where all of
-    its activations are still alive, and is ``4 V H`` now (llama3-8b's head at 32k tokens and 512 MiB: 0.49 GiB less
+    its activations are still alive, and is ``4 V H`` now (llama3-8b's head at 32k tokens and 512 MiB: 0.48 GiB less
     at the peak, docs/PERF_NOTES.md v28)."""
 
     # the first block's leading float32 values that are cast through a temporary (see ``result``)

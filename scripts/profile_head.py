@@ -97,13 +97,21 @@ def inputs(n: int, h: int, v: int):
     return x, w, y
 
 
+def floor_gemms(x: torch.Tensor, w: torch.Tensor, g: torch.Tensor) -> tuple:
+    """The floor's three cuBLAS GEMMs as calls: the logits ``X W^T`` into ``g``, then ``g W`` and ``g^T X``."""
+    dx, dw = torch.empty_like(x), torch.empty_like(w)
+    return (
+        lambda: torch.mm(x, w.T, out=g),
+        lambda: torch.mm(g, w, out=dx),
+        lambda: torch.mm(g.T, x, out=dw),
+    )
+
+
 def floor_ms(n: int, h: int, v: int) -> float:
     x = torch.randn(n, h, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(v, h, device="cuda", dtype=torch.bfloat16)
     g = torch.randn(n, v, device="cuda", dtype=torch.bfloat16)
-    dx, dw = torch.empty_like(x), torch.empty_like(w)
-    total = timed(lambda: torch.mm(x, w.T, out=g)) + timed(lambda: torch.mm(g, w, out=dx))
-    return total + timed(lambda: torch.mm(g.T, x, out=dw))
+    return sum(timed(gemm) for gemm in floor_gemms(x, w, g))
 
 
 def budget_sweep(name: str) -> list[dict]:
@@ -253,14 +261,11 @@ def kernel_breakdown(name: str, rounds: int = 3) -> dict:
         loss = hf_flce.fused_linear_cross_entropy(x, w, y, softcap=softcap)
         return torch.autograd.grad(loss, (x, w))
 
-    xs, ws = x.detach(), w.detach()
-    g = torch.empty(n, v, device="cuda", dtype=torch.bfloat16)
-    dx, dw = torch.empty_like(xs), torch.empty_like(ws)
+    gemms = floor_gemms(x.detach(), w.detach(), torch.empty(n, v, device="cuda", dtype=torch.bfloat16))
 
     def floor():
-        torch.mm(xs, ws.T, out=g)
-        torch.mm(g, ws, out=dx)
-        torch.mm(g.T, xs, out=dw)
+        for gemm in gemms:
+            gemm()
 
     phases = (("ours", step), ("floor", floor))
     stop = time.perf_counter() + 0.5
