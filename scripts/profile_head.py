@@ -37,6 +37,13 @@
 12. ``columns``: the per-token path whose backward recomputes, with that backward in vocabulary chunks
    (``HF_FLCE_VOCAB_CHUNKS=1``, the default) against row chunks (``=0``), timed in turns, with each one's CUDA time
    per kernel and memory beyond the inputs and gradients.
+13. ``queued``: fwd+bwd at budgets of 1, 1.5 and 2 GiB, each call queued behind the floor as the benchmark times it
+   (``Device.time_queued``'s pattern) and paired with it: ÷ floor, the chunk plan (rows per chunk) and extra memory
+   beyond the gradients. Then the same pattern under torch.profiler, a marker kernel before each: the call's kernel
+   time against the floor's, and the GPU's idle time inside the queued call (what host steps after a host read cost).
+14. ``dx_rows``: cuBLAS's dX GEMM of one chunk (``E [rows, V] @ W [V, H]``, float32 out, as ``mm_fp32`` runs it) for
+   rows from 1024 to 8192 in steps of 128, each timed in turns with the same GEMM at 4096 rows: time per row ÷ that
+   reference's. cuBLAS picks its kernel by shape, and this output (rows × H) fills few waves of tiles.
 """
 
 from __future__ import annotations
@@ -682,6 +689,117 @@ def enqueue(name: str) -> dict:
     return row
 
 
+QUEUED_BUDGETS_MIB = (1024, 1536, 2048)
+
+
+def _marker() -> None:
+    """A short kernel that marks a place in the GPU's timeline under the profiler (``torch.cuda._sleep``)."""
+    torch.cuda._sleep(1000)
+
+
+def queued(name: str, rounds: int = 12, profiled_rounds: int = 3) -> list[dict]:
+    """Section 13: the call queued behind the floor, at several budgets (see the module docstring)."""
+    n, h, v = SHAPES[name]
+    x, w, y = inputs(n, h, v)
+    softcap = shape_softcap(name)
+    gemms = floor_gemms(x.detach(), w.detach(), torch.empty(n, v, device="cuda", dtype=torch.bfloat16))
+
+    def floor():
+        for gemm in gemms:
+            gemm()
+
+    rows = []
+    for mib in QUEUED_BUDGETS_MIB:
+
+        def step(budget=mib << 20):
+            loss = hf_flce.fused_linear_cross_entropy(x, w, y, memory_budget=budget, softcap=softcap)
+            return torch.autograd.grad(loss, (x, w))
+
+        step()
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        chunk_rows = []
+        add = engine._GradBuffers.add
+
+        def recorded(buffers, start, end, *rest, add=add, chunk_rows=chunk_rows):
+            # the rows only: a mock's call list would keep every chunk's gradient alive
+            chunk_rows.append(end - start)
+            return add(buffers, start, end, *rest)
+
+        with mock.patch.object(engine._GradBuffers, "add", recorded):
+            grads = step()
+        extra = torch.cuda.max_memory_allocated() - base - sum(g.nbytes for g in grads)
+        del grads
+        timed_calls = Device("cuda").time_queued(floor, step, 2, rounds, 0.5)
+        ratio = median(q / f for q, f in zip(timed_calls["queued"], timed_calls["yardstick"], strict=True))
+        acts = [torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=acts) as prof:
+            for _ in range(profiled_rounds):
+                _marker()
+                floor()
+                floor()
+                _marker()
+                step()
+                torch.cuda.synchronize()
+        kernels = sorted(
+            (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+            key=lambda e: e.time_range.start,
+        )
+        marks = [i for i, e in enumerate(kernels) if "sleep" in e.name.lower() or "spin" in e.name.lower()]
+        ours_busy, floor_busy, idle = [], [], []
+        for first, second, nxt in zip(marks[::2], marks[1::2], marks[2::2] + [len(kernels)], strict=True):
+            floors, ours = kernels[first + 1 : second], kernels[second + 1 : nxt]
+            floor_busy.append(sum(e.time_range.end - e.time_range.start for e in floors) / 2e3)
+            busy = sum(e.time_range.end - e.time_range.start for e in ours) / 1e3
+            ours_busy.append(busy)
+            idle.append((ours[-1].time_range.end - kernels[second].time_range.end) / 1e3 - busy)
+        row = dict(
+            shape=name,
+            budget_mib=mib,
+            chunk_rows=chunk_rows,
+            extra_minus_grads_gib=extra / GiB,
+            queued_ratio=ratio,
+            kernels_ratio=median(ours_busy) / median(floor_busy),
+            idle_ms=median(idle),
+            kernels_ms=median(ours_busy),
+        )
+        rows.append(row)
+        print(
+            f"{name:>11} {mib:5d} MiB: queued {ratio:.3f}x floor, kernels {row['kernels_ratio']:.3f}x the floor's, "
+            f"idle {row['idle_ms']:.2f} ms, chunks {chunk_rows}, extra-grads {extra / GiB:.2f} GiB",
+            flush=True,
+        )
+    return rows
+
+
+def dx_rows(name: str, reference_rows: int = 4096, rounds: int = 5) -> dict:
+    """Section 14: cuBLAS's dX GEMM per row against rows (see the module docstring)."""
+    _, h, v = SHAPES[name]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    e = (torch.randn(8192, v, device="cuda", generator=gen) * 0.01).to(torch.bfloat16)
+    w = (torch.randn(v, h, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+    dev = Device("cuda")
+
+    def gemm(rows: int):
+        return lambda: engine.mm_fp32(e[:rows], w)
+
+    reference = gemm(reference_rows)
+    dev.time_rounds([reference], 3, 0, settle_s=0.5)
+    per_row = {}
+    for rows in range(1024, 8193, 128):
+        ref_ms, ms = dev.time_rounds([reference, gemm(rows)], 1, rounds)
+        per_row[rows] = median((t / rows) / (r / reference_rows) for r, t in zip(ref_ms, ms, strict=True))
+    values = sorted(per_row.values())
+    result = dict(shape=name, reference_rows=reference_rows, per_row_vs_reference=per_row)
+    print(
+        f"{name:>11} dX GEMM per row ÷ at {reference_rows} rows, 1024-8192 rows: min {values[0]:.2f}, median "
+        f"{values[len(values) // 2]:.2f}, max {values[-1]:.2f} (at {max(per_row, key=per_row.get)} rows)",
+        flush=True,
+    )
+    return result
+
+
 def _steady_ms(fn, seconds: float = 1.5) -> tuple[float, float, float]:
     """ms per call of ``fn`` run back to back for ``seconds`` after 0.5 s of the same load, and that window's
     wall-clock bounds."""
@@ -786,6 +904,8 @@ def main() -> None:
         power=[],
         enqueue=[],
         columns=[],
+        queued=[],
+        dx_rows=[],
     )
     for name in args.shapes.split(","):
         if "budget" in sections:
@@ -812,6 +932,10 @@ def main() -> None:
             result["enqueue"].append(enqueue(name))
         if "columns" in sections:
             result["columns"].append(columns(name))
+        if "queued" in sections:
+            result["queued"] += queued(name)
+        if "dx_rows" in sections:
+            result["dx_rows"].append(dx_rows(name))
         torch.cuda.empty_cache()
     if "host" in sections:
         result["host"].append(host_per_call())
