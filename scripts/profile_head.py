@@ -121,6 +121,26 @@ def floor_ms(n: int, h: int, v: int) -> float:
     return sum(timed(gemm) for gemm in floor_gemms(x, w, g))
 
 
+def _planned_call(step) -> tuple[list[int], int]:
+    """One fwd+bwd ``step`` (returning its gradients): the rows of each chunk its plan took, and its peak memory
+    beyond what was allocated before it and beyond the gradients. The rows are recorded as ints: a mock's call list
+    would keep each chunk's tensors alive and raise the peak."""
+    chunk_rows: list[int] = []
+    add = engine._GradBuffers.add
+
+    def recorded(buffers, start, end, *rest):
+        chunk_rows.append(end - start)
+        return add(buffers, start, end, *rest)
+
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    with mock.patch.object(engine._GradBuffers, "add", recorded):
+        grads = step()
+    extra = torch.cuda.max_memory_allocated() - base - sum(g.nbytes for g in grads)
+    return chunk_rows, extra
+
+
 def budget_sweep(name: str) -> list[dict]:
     n, h, v = SHAPES[name]
     floor = floor_ms(n, h, v)
@@ -134,13 +154,7 @@ def budget_sweep(name: str) -> list[dict]:
             return torch.autograd.grad(loss, (x, w))
 
         ms = timed(step)
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        with mock.patch.object(engine, "_chunk_forward", wraps=engine._chunk_forward) as chunk_forward:
-            grads = step()
-        extra = torch.cuda.max_memory_allocated() - base - sum(g.nbytes for g in grads)
-        del grads
+        chunk_rows, extra = _planned_call(step)
         rows.append(
             dict(
                 shape=name,
@@ -148,7 +162,7 @@ def budget_sweep(name: str) -> list[dict]:
                 ms=ms,
                 ratio=ms / floor,
                 floor_ms=floor,
-                chunks=chunk_forward.call_count,
+                chunks=len(chunk_rows),
                 extra_minus_grads_gib=extra / GiB,
             )
         )
@@ -697,6 +711,32 @@ def _marker() -> None:
     torch.cuda._sleep(1000)
 
 
+def _queued_kernel_times(floor, step, rounds: int) -> tuple[float, float, float]:
+    """``rounds`` of the floor twice and then ``step`` queued behind it, under torch.profiler with a marker kernel
+    before each part: medians of the step's kernel time, the floor's (one call) and the GPU's idle time from the
+    floor's end to the step's last kernel less the step's kernels, in ms."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(rounds):
+            _marker()
+            floor()
+            floor()
+            _marker()
+            step()
+            torch.cuda.synchronize()
+    kernels = sorted(
+        (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda e: e.time_range.start
+    )
+    marks = [i for i, e in enumerate(kernels) if "sleep" in e.name.lower() or "spin" in e.name.lower()]
+    ours_busy, floor_busy, idle = [], [], []
+    for first, second, nxt in zip(marks[::2], marks[1::2], marks[2::2] + [len(kernels)], strict=True):
+        floors, ours = kernels[first + 1 : second], kernels[second + 1 : nxt]
+        floor_busy.append(sum(e.time_range.end - e.time_range.start for e in floors) / 2e3)
+        busy = sum(e.time_range.end - e.time_range.start for e in ours) / 1e3
+        ours_busy.append(busy)
+        idle.append((ours[-1].time_range.end - kernels[second].time_range.end) / 1e3 - busy)
+    return median(ours_busy), median(floor_busy), median(idle)
+
+
 def queued(name: str, rounds: int = 12, profiled_rounds: int = 3) -> list[dict]:
     """Section 13: the call queued behind the floor, at several budgets (see the module docstring)."""
     n, h, v = SHAPES[name]
@@ -716,53 +756,19 @@ def queued(name: str, rounds: int = 12, profiled_rounds: int = 3) -> list[dict]:
             return torch.autograd.grad(loss, (x, w))
 
         step()
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        chunk_rows = []
-        add = engine._GradBuffers.add
-
-        def recorded(buffers, start, end, *rest, add=add, chunk_rows=chunk_rows):
-            # the rows only: a mock's call list would keep every chunk's gradient alive
-            chunk_rows.append(end - start)
-            return add(buffers, start, end, *rest)
-
-        with mock.patch.object(engine._GradBuffers, "add", recorded):
-            grads = step()
-        extra = torch.cuda.max_memory_allocated() - base - sum(g.nbytes for g in grads)
-        del grads
+        chunk_rows, extra = _planned_call(step)
         timed_calls = Device("cuda").time_queued(floor, step, 2, rounds, 0.5)
         ratio = median(q / f for q, f in zip(timed_calls["queued"], timed_calls["yardstick"], strict=True))
-        acts = [torch.profiler.ProfilerActivity.CUDA]
-        with torch.profiler.profile(activities=acts) as prof:
-            for _ in range(profiled_rounds):
-                _marker()
-                floor()
-                floor()
-                _marker()
-                step()
-                torch.cuda.synchronize()
-        kernels = sorted(
-            (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-            key=lambda e: e.time_range.start,
-        )
-        marks = [i for i, e in enumerate(kernels) if "sleep" in e.name.lower() or "spin" in e.name.lower()]
-        ours_busy, floor_busy, idle = [], [], []
-        for first, second, nxt in zip(marks[::2], marks[1::2], marks[2::2] + [len(kernels)], strict=True):
-            floors, ours = kernels[first + 1 : second], kernels[second + 1 : nxt]
-            floor_busy.append(sum(e.time_range.end - e.time_range.start for e in floors) / 2e3)
-            busy = sum(e.time_range.end - e.time_range.start for e in ours) / 1e3
-            ours_busy.append(busy)
-            idle.append((ours[-1].time_range.end - kernels[second].time_range.end) / 1e3 - busy)
+        ours_ms, floor_ms, idle_ms = _queued_kernel_times(floor, step, profiled_rounds)
         row = dict(
             shape=name,
             budget_mib=mib,
             chunk_rows=chunk_rows,
             extra_minus_grads_gib=extra / GiB,
             queued_ratio=ratio,
-            kernels_ratio=median(ours_busy) / median(floor_busy),
-            idle_ms=median(idle),
-            kernels_ms=median(ours_busy),
+            kernels_ratio=ours_ms / floor_ms,
+            idle_ms=idle_ms,
+            kernels_ms=ours_ms,
         )
         rows.append(row)
         print(
