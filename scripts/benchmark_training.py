@@ -9,6 +9,7 @@ as prompt (label -100); ``model(input_ids, labels=labels).loss``, backward, opti
   trl    ``trl.trainer.utils.add_fused_lm_head(model)``, called with ``fused_lm_head=True`` (its ``.loss``)
   ours   ``hf_flce.apply_flce(model)``
   ours_lean  the same with dW summed in the bf16 gradient plus an int8 residual (what ``HF_FLCE_DW_RESIDUAL=1`` does)
+  ours_late  ``hf_flce.apply_flce(model, defer_head_grad=True)``: lm_head's dW at the end of the backward
 
 Each provider runs in its own fresh process (class-level patches cannot leak, and memory starts clean); inside it,
 every model and token count is built afresh from the same seed. Reported: tokens/s (tokens per step over the median
@@ -48,7 +49,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 import bench_common as bc  # noqa: E402
 
 IGNORE = -100
-PROVIDERS = ("stock", "liger", "trl", "ours", "ours_lean")
+PROVIDERS = ("stock", "liger", "trl", "ours", "ours_lean", "ours_late")
 DPO_PROVIDERS = ("stock", "liger", "trl", "ours")
 DPO_BETA = 0.1
 # The per-token fields TRL 1.16's DPOTrainer asks of the policy's fused head (its reference asks for log_probs only).
@@ -185,10 +186,10 @@ def patch(provider: str, model) -> Callable[[torch.Tensor, torch.Tensor], torch.
         return lambda ids, labels: model(input_ids=ids, labels=labels, fused_lm_head=True).loss
     if provider == "liger":
         _apply_liger(model)
-    elif provider in ("ours", "ours_lean"):
+    elif provider in ("ours", "ours_lean", "ours_late"):
         from hf_flce import apply_flce
 
-        model = apply_flce(model) or model
+        model = apply_flce(model, defer_head_grad=provider == "ours_late") or model
     elif provider != "stock":
         raise ValueError(f"unknown provider {provider!r}")
     loss_fn = lambda ids, labels: model(input_ids=ids, labels=labels).loss  # noqa: E731

@@ -201,6 +201,44 @@ def test_return_dict_false_gives_a_tuple():
     torch.testing.assert_close(out[0], stock(input_ids=ids, labels=labels).loss, rtol=1e-5, atol=0)
 
 
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("name", ["LlamaForCausalLM", "Qwen3MoeForCausalLM"])
+def test_deferred_head_grad_matches_stock_and_comes_last(name, tie):
+    """``defer_head_grad=True``: stock's loss and gradients (``num_items_in_batch`` as Trainer passes it), with
+    lm_head's weight gradient accumulated after the decoder layers', where by default it comes first."""
+    ids, labels = make_batch()
+    inputs = dict(input_ids=ids, labels=labels, num_items_in_batch=torch.tensor(23.0))
+    for defer in (False, True):
+        patched, stock = patched_pair(name, tie, defer_head_grad=defer)
+        order: list[str] = []
+        for param, name_ in ((patched.lm_head.weight, "head"), (next(patched.model.layers[0].parameters()), "layer")):
+            param.register_post_accumulate_grad_hook(lambda _, order=order, name_=name_: order.append(name_))
+        assert_same_training(patched, stock, **inputs)
+        assert order == (["layer", "head"] if defer or tie else ["head", "layer"])  # tied: summed with the embedding's
+
+
+def test_deferred_head_grad_twice_frozen_and_sharded():
+    """A second backward (``retain_graph``) adds the same dW again; a frozen head defers nothing; a weight that a
+    sharding engine manages (ZeRO-3 marks it with ``ds_id``) is refused with a ValueError, as is a non-bool option."""
+    ids, labels = make_batch()
+    patched, stock = patched_pair("LlamaForCausalLM", defer_head_grad=True)
+    out = patched(input_ids=ids, labels=labels)
+    out.loss.backward(retain_graph=True)
+    once = patched.lm_head.weight.grad.clone()
+    out.loss.backward()
+    torch.testing.assert_close(patched.lm_head.weight.grad, 2 * once)
+    patched.zero_grad(set_to_none=True)
+    for model in (patched, stock):
+        model.lm_head.weight.requires_grad_(False)
+    assert_same_training(patched, stock, input_ids=ids, labels=labels)
+    patched.lm_head.weight.requires_grad_(True)
+    patched.lm_head.weight.ds_id = 0
+    with pytest.raises(ValueError, match="defer_head_grad=True needs lm_head's weight whole"):
+        patched(input_ids=ids, labels=labels)
+    with pytest.raises(TypeError, match="defer_head_grad must be a bool"):
+        apply_flce(make_model("LlamaForCausalLM"), defer_head_grad="yes")
+
+
 def test_options_and_config_softcap_are_forwarded():
     stock = make_model("LlamaForCausalLM")
     stock.config.final_logit_softcapping = 3.0

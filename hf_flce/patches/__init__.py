@@ -43,6 +43,7 @@ class PatchKwargs(TypedDict, total=False):
     label_smoothing: float
     z_loss: float
     skip_logits: bool | None
+    defer_head_grad: bool
 
 
 def apply_flce(model: M | None = None, **options: Unpack[PatchKwargs]) -> M | None:
@@ -58,6 +59,11 @@ def apply_flce(model: M | None = None, **options: Unpack[PatchKwargs]) -> M | No
         skip_logits: ``None`` (default) fuses in training mode only, so ``model.eval()`` calls with labels return
             stock logits (``Trainer.evaluate`` with ``compute_metrics`` works); ``True`` fuses whenever there are
             labels; ``False`` never. A ``skip_logits=`` keyword of one forward call overrides it.
+        defer_head_grad: compute ``lm_head``'s weight gradient at the end of the backward, after the layers' (default
+            ``False``). The step's peak, at the end of the forward, then holds no ``[V, H]`` dW buffer (as low as a
+            peer that sums dW in bf16, with dW as accurate as stock's), for one more logits GEMM (2-3% of a 1B
+            model's SFT step, ``docs/PERF_NOTES.md`` v29). Needs the weight whole on this device (one GPU or DDP):
+            under FSDP, DeepSpeed ZeRO-3 or accelerate's offload the forward raises a ValueError.
 
     Returns:
         ``model`` itself (patched in place), or ``None`` for a class patch.

@@ -18,7 +18,8 @@ from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 from transformers.utils.generic import can_return_tuple
 
-from ..distributed import head_linear_cross_entropy, linear_of
+from ..api import fused_linear_cross_entropy
+from ..distributed import DTensor, head_linear_cross_entropy, linear_of
 from ..options import BACKENDS, FLCEOptions, in_model_budget
 
 try:
@@ -40,6 +41,9 @@ class PatchOptions:
 
     ``skip_logits``: ``None`` fuses in training mode only (evaluation gets stock logits and loss), ``True`` always
     fuses when there are labels, ``False`` never does.
+
+    ``defer_head_grad``: ``lm_head``'s weight gradient is computed at the end of the backward instead of with the
+    loss (:class:`LateHeadGrad`).
     """
 
     backend: str = "auto"
@@ -47,12 +51,15 @@ class PatchOptions:
     label_smoothing: float = 0.0
     z_loss: float = 0.0
     skip_logits: bool | None = None
+    defer_head_grad: bool = False
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.skip_logits not in (None, True, False):
             raise TypeError(f"skip_logits must be None or a bool, got {self.skip_logits!r}")
+        if not isinstance(self.defer_head_grad, bool):
+            raise TypeError(f"defer_head_grad must be a bool, got {self.defer_head_grad!r}")
         FLCEOptions(label_smoothing=self.label_smoothing, z_loss=self.z_loss, memory_budget=self.memory_budget)
 
 
@@ -102,11 +109,98 @@ def _fused_head(model: nn.Module, labels: torch.Tensor | None, skip_logits: bool
     return options
 
 
+class LateHeadGrad:
+    """``lm_head``'s weight gradient computed last in the backward (``defer_head_grad=True``).
+
+    With the loss, the fused op computes dW as it goes: its float32 sum over chunks (``4 V H`` bytes) is alive at the
+    end of the forward, where the step's peak is (every layer's activations are), next to a chunk. Here the loss is
+    computed against the detached weight (dX only), and an identity node on the weight, created before the layers run
+    so that it has the lowest sequence number of the step's nodes, is what the loss's gradient reaches the weight
+    through: the autograd engine runs it once nothing created after it is ready, after the layers' backward, when
+    their activations are gone. It then runs the loss again on the saved hidden states against the weight and
+    returns its dW: one more logits GEMM. The head's moment then holds dX and a chunk, as a peer that sums dW in bf16
+    does, with dW as accurate as the default's. It needs the weight whole on this device (one GPU or DDP; under DDP
+    the head's gradient is then ready last, so its all-reduce does not overlap the backward)."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight
+        self.alias = _HeadWeightAlias.apply(weight, self)
+        self.inputs: tuple | None = None
+        self.upstream: torch.Tensor | None = None
+
+    @classmethod
+    def start(cls, model: nn.Module) -> LateHeadGrad | None:
+        """Before the layers run: the deferral for ``model``'s head, or None where its weight takes no gradient."""
+        linear = linear_of(model.lm_head)
+        weight = None if linear is None else linear.weight
+        if weight is None or not weight.requires_grad or not torch.is_grad_enabled():
+            return None
+        if (
+            not isinstance(weight, nn.Parameter)
+            or getattr(weight, "_fsdp_flattened", False)
+            or hasattr(weight, "ds_id")
+            or isinstance(weight, DTensor)
+            or getattr(linear, "_hf_hook", None) is not None
+        ):
+            raise ValueError(
+                "defer_head_grad=True needs lm_head's weight whole on this device (one GPU or DDP); FSDP, DeepSpeed "
+                "ZeRO-3 and accelerate's offload shard or move it between the forward and the end of the backward"
+            )
+        return cls(weight)
+
+    def loss(self, hidden: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None, options: dict):
+        """The loss of ``hidden`` against the detached weight (dX and db only), tied to the alias."""
+        loss = fused_linear_cross_entropy(hidden, self.weight.detach(), target, bias=bias, **options)
+        self.inputs = (hidden.detach(), target, None if bias is None else bias.detach(), options)
+        return _TieHeadGrad.apply(loss, self.alias, self)
+
+    def weight_grad(self) -> torch.Tensor:
+        hidden, target, bias, options = self.inputs
+        weight = self.weight.detach().requires_grad_()
+        with torch.enable_grad():
+            loss = fused_linear_cross_entropy(hidden, weight, target, bias=bias, **options)
+            (grad,) = torch.autograd.grad(loss, weight, grad_outputs=self.upstream)
+        self.upstream = None
+        return grad
+
+
+class _HeadWeightAlias(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, late: LateHeadGrad) -> torch.Tensor:
+        ctx.late = late
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, _placeholder):
+        return ctx.late.weight_grad(), None
+
+
+class _TieHeadGrad(torch.autograd.Function):
+    """The loss, passed through, with the alias as a second input: its backward hands the loss's gradient on and
+    records it for the alias, which gets a zero-stride placeholder (no ``[V, H]`` memory)."""
+
+    @staticmethod
+    def forward(ctx, loss: torch.Tensor, alias: torch.Tensor, late: LateHeadGrad) -> torch.Tensor:
+        ctx.late, ctx.shape, ctx.dtype = late, alias.shape, alias.dtype
+        return loss.view_as(loss)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.late.upstream = grad
+        return grad, grad.new_zeros((), dtype=ctx.dtype).expand(ctx.shape), None
+
+
 def _fused_loss(
-    model: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, options: PatchOptions, kwargs: dict
+    model: nn.Module,
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    options: PatchOptions,
+    kwargs: dict,
+    late: LateHeadGrad | None = None,
 ) -> torch.Tensor:
     """The stock causal-LM loss (``ForCausalLMLoss``) of ``lm_head(hidden)``, computed by the fused op run as the
-    head's forward, so that FSDP1 / FSDP2 / DeepSpeed ZeRO-3 gather its weight (:mod:`hf_flce.distributed`)."""
+    head's forward, so that FSDP1 / FSDP2 / DeepSpeed ZeRO-3 gather its weight (:mod:`hf_flce.distributed`); with
+    ``late``, against the detached weight, dW coming at the end of the backward."""
     ignore_index = kwargs.get("ignore_index", -100)
     shift_labels = kwargs.get("shift_labels")
     if shift_labels is None:
@@ -118,10 +212,7 @@ def _fused_loss(
             f"labels give {target.numel()} targets for {hidden.shape[0]} positions (after logits_to_keep); "
             "they must match as in the stock loss"
         )
-    return head_linear_cross_entropy(
-        model.lm_head,
-        hidden,
-        target,
+    op_options = dict(
         ignore_index=ignore_index,
         num_items_in_batch=kwargs.get("num_items_in_batch"),
         label_smoothing=options.label_smoothing,
@@ -130,6 +221,9 @@ def _fused_loss(
         backend=options.backend,
         memory_budget=in_model_budget(options.memory_budget, hidden.device),
     )
+    if late is not None:
+        return late.loss(hidden, target, linear_of(model.lm_head).bias, op_options)
+    return head_linear_cross_entropy(model.lm_head, hidden, target, **op_options)
 
 
 def _forward(
@@ -157,9 +251,10 @@ def _forward(
     )
     if options is None:
         return state.stock_forward(self, **inputs, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
+    late = LateHeadGrad.start(self) if options.defer_head_grad else None  # before the layers' autograd nodes
     outputs = self.model(**inputs, **kwargs)
     hidden = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
-    loss = _fused_loss(self, hidden, labels, options, kwargs)
+    loss = _fused_loss(self, hidden, labels, options, kwargs, late)
     fields = dict(
         logits=None,
         past_key_values=outputs.past_key_values,
