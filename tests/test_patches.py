@@ -6,7 +6,9 @@ import copy
 import gc
 import inspect
 import warnings
+import weakref
 from types import MethodType
+from unittest import mock
 
 import pytest
 import torch
@@ -218,15 +220,31 @@ def test_deferred_head_grad_matches_stock_and_comes_last(name, tie):
 
 
 def test_deferred_head_grad_twice_frozen_and_sharded():
-    """A second backward (``retain_graph``) adds the same dW again; a frozen head defers nothing; a weight that a
-    sharding engine manages (ZeRO-3 marks it with ``ds_id``) is refused with a ValueError, as is a non-bool option."""
+    """A second backward (``retain_graph``) adds the same dW again, and the saved hidden states go with the graph (no
+    reference cycle for the garbage collector); a frozen head defers nothing; a weight that a sharding engine manages
+    (ZeRO-3 marks it with ``ds_id``) is refused with a ValueError, as is a non-bool option."""
     ids, labels = make_batch()
     patched, stock = patched_pair("LlamaForCausalLM", defer_head_grad=True)
-    out = patched(input_ids=ids, labels=labels)
+    started = []
+    real_start = patch_forward.LateHeadGrad.start.__func__
+
+    def start(cls, model):
+        late = real_start(cls, model)
+        started.append(weakref.ref(late))
+        return late
+
+    with mock.patch.object(patch_forward.LateHeadGrad, "start", classmethod(start)):
+        out = patched(input_ids=ids, labels=labels)
     out.loss.backward(retain_graph=True)
     once = patched.lm_head.weight.grad.clone()
     out.loss.backward()
     torch.testing.assert_close(patched.lm_head.weight.grad, 2 * once)
+    gc.disable()
+    try:
+        del out
+        assert started[0]() is None
+    finally:
+        gc.enable()
     patched.zero_grad(set_to_none=True)
     for model in (patched, stock):
         model.lm_head.weight.requires_grad_(False)

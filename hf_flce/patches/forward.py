@@ -149,10 +149,13 @@ class LateHeadGrad:
         return cls(weight)
 
     def loss(self, hidden: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None, options: dict):
-        """The loss of ``hidden`` against the detached weight (dX and db only), tied to the alias."""
+        """The loss of ``hidden`` against the detached weight (dX and db only), tied to the alias. The alias is let
+        go here: the graph holds it, and a reference from this object would close a cycle through the alias's node
+        that only the garbage collector breaks, keeping each step's saved hidden states alive for several steps."""
         loss = fused_linear_cross_entropy(hidden, self.weight.detach(), target, bias=bias, **options)
         self.inputs = (hidden.detach(), target, None if bias is None else bias.detach(), options)
-        return _TieHeadGrad.apply(loss, self.alias, self)
+        alias, self.alias = self.alias, None
+        return _TieHeadGrad.apply(loss, alias, self)
 
     def weight_grad(self) -> torch.Tensor:
         hidden, target, bias, options = self.inputs
