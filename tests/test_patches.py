@@ -389,10 +389,12 @@ def test_peft_adapter_on_lm_head_falls_back_with_one_warning():
     torch.testing.assert_close(out.loss, ref.loss, rtol=0, atol=0)
 
 
-def test_gradient_checkpointing():
-    patched, stock = patched_pair("Qwen2MoeForCausalLM", tie=True)
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+@pytest.mark.parametrize("defer", [False, True], ids=["", "defer_head_grad"])
+def test_gradient_checkpointing(defer, reentrant):
+    patched, stock = patched_pair("Qwen2MoeForCausalLM", tie=True, defer_head_grad=defer)
     for model in (patched, stock):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     ids, labels = make_batch()
     assert_same_training(patched, stock, input_ids=ids, labels=labels, use_cache=False)
 
@@ -410,8 +412,9 @@ def test_bf16_autocast():
         assert torch.linalg.norm(g - ref_grads[name]) <= 5e-2 * torch.linalg.norm(ref_grads[name]), name
 
 
-def test_torch_compile():
-    patched, stock = patched_pair("Qwen3ForCausalLM")
+@pytest.mark.parametrize("defer", [False, True], ids=["", "defer_head_grad"])
+def test_torch_compile(defer):
+    patched, stock = patched_pair("Qwen3ForCausalLM", defer_head_grad=defer)
     ids, labels = make_batch()
     torch._dynamo.reset()
     compiled = torch.compile(patched, backend="aot_eager")
