@@ -114,8 +114,8 @@ class LateHeadGrad:
 
     With the loss, the fused op computes dW as it goes: its float32 sum over chunks (``4 V H`` bytes) is alive at the
     end of the forward, where the step's peak is (every layer's activations are), next to a chunk. Here the loss is
-    computed against the detached weight (dX only), and an identity node on the weight, created before the layers run
-    so that it has the lowest sequence number of the step's nodes, is what the loss's gradient reaches the weight
+    computed against the detached weight (dX and db only). An identity node on the weight, created before the layers
+    run so that it has the lowest sequence number of the step's nodes, is what the loss's gradient reaches the weight
     through: the autograd engine runs it once nothing created after it is ready, after the layers' backward, when
     their activations are gone. It then runs the loss again on the saved hidden states against the weight and
     returns its dW: one more logits GEMM. The head's moment then holds dX and a chunk, as a peer that sums dW in bf16
@@ -158,6 +158,7 @@ class LateHeadGrad:
         return _TieHeadGrad.apply(loss, alias, self)
 
     def weight_grad(self) -> torch.Tensor:
+        """dW of the loss times its upstream gradient, from the saved hidden states (the alias's backward)."""
         hidden, target, bias, options = self.inputs
         weight = self.weight.detach().requires_grad_()
         with torch.enable_grad():
