@@ -143,10 +143,10 @@ def compare_lm(result: dict, loss, ref_loss, grads: dict[str, torch.Tensor], ref
         check(result, f"grad {name}", grads[name], want)
 
 
-def flce(model: nn.Module) -> nn.Module:
+def flce(model: nn.Module, **options) -> nn.Module:
     from hf_flce import apply_flce
 
-    return apply_flce(model)
+    return apply_flce(model, **options)
 
 
 class HeadModel(nn.Module):
@@ -315,22 +315,71 @@ def dtensor_head(result: dict) -> None:
         check(result, f"{name} grad bias", dtensor.bias.grad.full_tensor(), plain.bias.grad)
 
 
-@scenario
-def ddp(result: dict) -> None:
-    """A patched model under DistributedDataParallel."""
-    model = llama()
+def _ddp(result: dict, tied: bool = False, **options) -> None:
+    model = llama(tied)
     ref_loss, ref_grads = reference_lm(model)
-    wrapped = nn.parallel.DistributedDataParallel(flce(model))
+    wrapped = nn.parallel.DistributedDataParallel(flce(model, **options))
     loss = sharded_lm_step(wrapped)
     compare_lm(result, loss, ref_loss, {n: p.grad for n, p in model.named_parameters()}, ref_grads)
 
 
-def _fsdp2(result: dict, tied: bool, head_unit: bool) -> None:
+@scenario
+def ddp(result: dict) -> None:
+    """A patched model under DistributedDataParallel."""
+    _ddp(result)
+
+
+@scenario
+def ddp_defer_head_grad(result: dict) -> None:
+    """``defer_head_grad=True`` under DDP: lm_head's gradient, ready last, is still averaged over the ranks."""
+    _ddp(result, defer_head_grad=True)
+
+
+@scenario
+def ddp_defer_head_grad_tied(result: dict) -> None:
+    """The same with the head tied to the embedding: DDP sums the two contributions before averaging."""
+    _ddp(result, tied=True, defer_head_grad=True)
+
+
+@scenario
+def fsdp2_defer_head_grad(result: dict) -> None:
+    """``defer_head_grad=True`` under FSDP2 with the head in the root unit, which stays unsharded until the end of
+    the backward: single-process gradients."""
+    _fsdp2(result, False, False, defer_head_grad=True)
+
+
+@scenario
+def fsdp2_head_unit_defer_head_grad_refused(result: dict) -> None:
+    """``defer_head_grad=True`` with the head its own FSDP2 unit: its weight is a sharded DTensor when the forward
+    starts, so the forward raises a ValueError naming the option (checked as a zero error)."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = flce(llama(), defer_head_grad=True)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model.lm_head)
+    fully_shard(model)
+    _check_defer_refused(result, model)
+
+
+def _check_defer_refused(result: dict, wrapped: nn.Module) -> None:
+    """The forward of ``wrapped`` (patched with ``defer_head_grad=True``) raises the option's ValueError."""
+    ids, labels = lm_batch()
+    try:
+        wrapped(input_ids=my_rows(ids), labels=my_rows(labels))
+    except ValueError as err:
+        refused = "defer_head_grad=True needs lm_head's weight whole" in str(err)
+    else:
+        refused = False
+    check(result, "refused", torch.tensor(float(refused)), torch.tensor(1.0))
+
+
+def _fsdp2(result: dict, tied: bool, head_unit: bool, **options) -> None:
     from torch.distributed.fsdp import fully_shard
 
     model = llama(tied)
     ref_loss, ref_grads = reference_lm(model)
-    flce(model)
+    flce(model, **options)
     for layer in model.model.layers:
         fully_shard(layer)
     if head_unit:  # the head in its own unit: its weight is a sharded DTensor outside its own call
@@ -411,6 +460,17 @@ def fsdp1(result: dict) -> None:
 def fsdp1_orig_params_head_unit(result: dict) -> None:
     """FSDP1 with ``use_orig_params=True`` and every Linear (the head too) its own unit."""
     _fsdp1(result, flce(llama()), reference_lm, sharded_lm_step, True, {_llama_layer(), nn.Linear})
+
+
+@scenario
+def fsdp1_defer_head_grad_refused(result: dict) -> None:
+    """``defer_head_grad=True`` under FSDP1 (flat parameters: the head's weight is a view of the root's flat
+    parameter in the forward, which FSDP frees and regathers): refused."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    model = flce(llama(), defer_head_grad=True)
+    _check_defer_refused(result, FSDP(model, auto_wrap_policy=ModuleWrapPolicy({_llama_layer()}), device_id=device()))
 
 
 @scenario

@@ -26,6 +26,10 @@ TORCH_SCENARIOS = [
     "vocab_parallel",
     "dtensor_head",
     "ddp",
+    "ddp_defer_head_grad",
+    "ddp_defer_head_grad_tied",
+    "fsdp2_defer_head_grad",
+    "fsdp2_head_unit_defer_head_grad_refused",
     "fsdp2",
     "fsdp2_head_unit",
     "fsdp2_tied",
@@ -33,6 +37,7 @@ TORCH_SCENARIOS = [
     "fsdp1",
     "fsdp1_orig_params_head_unit",
     "fsdp1_per_token",
+    "fsdp1_defer_head_grad_refused",
 ]
 ZERO3_SCENARIOS = ["zero3", "zero3_per_token"]
 

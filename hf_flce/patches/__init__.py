@@ -63,8 +63,9 @@ def apply_flce(model: M | None = None, **options: Unpack[PatchKwargs]) -> M | No
             ``False``). The step's peak, at the end of the forward, then holds no ``[V, H]`` dW buffer (as low as a
             peer that sums dW in bf16, with dW as accurate as stock's), for one more logits GEMM (2-6% of the SFT
             steps of ``scripts/benchmark_training.py`` on an H100, ``docs/PERF_NOTES.md`` v29). Needs the weight
-            whole on this device (one GPU or DDP): under FSDP, DeepSpeed ZeRO-3 or accelerate's offload the forward
-            raises a ValueError.
+            whole on this device from the forward to the end of the backward: one GPU, DDP, or FSDP2 with
+            ``lm_head`` in the root unit. Where FSDP2 shards ``lm_head`` as its own unit, and under FSDP1, DeepSpeed
+            ZeRO-3 or accelerate's offload, the forward raises a ValueError.
 
     Returns:
         ``model`` itself (patched in place), or ``None`` for a class patch.

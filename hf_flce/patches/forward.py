@@ -119,8 +119,9 @@ class LateHeadGrad:
     through: the autograd engine runs it once nothing created after it is ready, after the layers' backward, when
     their activations are gone. It then runs the loss again on the saved hidden states against the weight and
     returns its dW: one more logits GEMM. The head's moment then holds dX and a chunk, as a peer that sums dW in bf16
-    does, with dW as accurate as the default's. It needs the weight whole on this device (one GPU or DDP; under DDP
-    the head's gradient is then ready last, so its all-reduce does not overlap the backward)."""
+    does, with dW as accurate as the default's. It needs the weight whole on this device from the forward to the end
+    of the backward: one GPU, DDP (where the head's gradient is then ready last, so its all-reduce does not overlap
+    the backward), or FSDP2 with the head in the root unit (unsharded until the end of the backward)."""
 
     def __init__(self, weight: torch.Tensor):
         self.weight = weight
@@ -143,8 +144,9 @@ class LateHeadGrad:
             or getattr(linear, "_hf_hook", None) is not None
         ):
             raise ValueError(
-                "defer_head_grad=True needs lm_head's weight whole on this device (one GPU or DDP); FSDP, DeepSpeed "
-                "ZeRO-3 and accelerate's offload shard or move it between the forward and the end of the backward"
+                "defer_head_grad=True needs lm_head's weight whole on this device from the forward to the end of the "
+                "backward (one GPU, DDP, or FSDP2 with lm_head in the root unit); FSDP2 with lm_head as its own unit, "
+                "FSDP1, DeepSpeed ZeRO-3 and accelerate's offload shard or move it in between"
             )
         return cls(weight)
 
