@@ -219,6 +219,16 @@ def test_deferred_head_grad_matches_stock_and_comes_last(name, tie):
         assert order == (["layer", "head"] if defer or tie else ["head", "layer"])  # tied: summed with the embedding's
 
 
+def test_deferred_head_grad_with_a_head_bias():
+    """A biased lm_head: its bias gradient comes with the loss, its weight gradient at the end, both as stock's."""
+    patched, stock = patched_pair("LlamaForCausalLM", defer_head_grad=True)
+    for model in (patched, stock):
+        torch.manual_seed(3)
+        model.lm_head.bias = torch.nn.Parameter(torch.randn(VOCAB) * 0.1)
+    ids, labels = make_batch()
+    assert_same_training(patched, stock, input_ids=ids, labels=labels)
+
+
 def test_deferred_head_grad_twice_frozen_and_sharded():
     """A second backward (``retain_graph``) adds the same dW again, and the saved hidden states go with the graph (no
     reference cycle for the garbage collector); a frozen head defers nothing; a weight that a sharding engine manages

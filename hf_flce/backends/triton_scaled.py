@@ -387,6 +387,7 @@ class ScaledGradient:
         if n == 0:
             return
         sorted_y, order = torch.sort(target, stable=True)
+        upper = dw if dw_upper is None or not dw_upper.numel() else dw_upper
         bp, bh = 32, min(128, triton.next_power_of_2(h))
         with TritonTileOps._device_guard(x.device):
             launch(
@@ -400,8 +401,8 @@ class ScaledGradient:
                 order if x_rows is None else x_rows,
                 dw,
                 dw.stride(0),
-                dw if dw_upper is None or not dw_upper.numel() else dw_upper,
-                dw.stride(0) if dw_upper is None or not dw_upper.numel() else dw_upper.stride(0),
+                upper,
+                upper.stride(0),
                 dw.shape[0],
                 n,
                 h,

@@ -123,8 +123,8 @@ class LateHeadGrad:
     of the backward: one GPU, DDP (where the head's gradient is then ready last, so its all-reduce does not overlap
     the backward), or FSDP2 with the head in the root unit (unsharded until the end of the backward)."""
 
-    def __init__(self, weight: torch.Tensor):
-        self.weight = weight
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        self.weight, self.bias = weight, bias
         self.alias = _HeadWeightAlias.apply(weight, self)
         self.inputs: tuple | None = None
         self.upstream: torch.Tensor | None = None
@@ -148,21 +148,22 @@ class LateHeadGrad:
                 "backward (one GPU, DDP, or FSDP2 with lm_head in the root unit); FSDP2 with lm_head as its own unit, "
                 "FSDP1, DeepSpeed ZeRO-3 and accelerate's offload shard or move it in between"
             )
-        return cls(weight)
+        return cls(weight, linear.bias)
 
-    def loss(self, hidden: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None, options: dict):
+    def loss(self, hidden: torch.Tensor, target: torch.Tensor, options: dict):
         """The loss of ``hidden`` against the detached weight (dX and db only), tied to the alias. The alias is let
         go here: the graph holds it, and a reference from this object would close a cycle through the alias's node
         that only the garbage collector breaks, keeping each step's saved hidden states alive for several steps."""
-        loss = fused_linear_cross_entropy(hidden, self.weight.detach(), target, bias=bias, **options)
-        self.inputs = (hidden.detach(), target, None if bias is None else bias.detach(), options)
+        loss = fused_linear_cross_entropy(hidden, self.weight.detach(), target, bias=self.bias, **options)
+        self.inputs = (hidden.detach(), target, options)
         alias, self.alias = self.alias, None
         return _TieHeadGrad.apply(loss, alias, self)
 
     def weight_grad(self) -> torch.Tensor:
         """dW of the loss times its upstream gradient, from the saved hidden states (the alias's backward)."""
-        hidden, target, bias, options = self.inputs
+        hidden, target, options = self.inputs
         weight = self.weight.detach().requires_grad_()
+        bias = None if self.bias is None else self.bias.detach()
         with torch.enable_grad():
             loss = fused_linear_cross_entropy(hidden, weight, target, bias=bias, **options)
             (grad,) = torch.autograd.grad(loss, weight, grad_outputs=self.upstream)
@@ -228,7 +229,7 @@ def _fused_loss(
         memory_budget=in_model_budget(options.memory_budget, hidden.device),
     )
     if late is not None:
-        return late.loss(hidden, target, linear_of(model.lm_head).bias, op_options)
+        return late.loss(hidden, target, op_options)
     return head_linear_cross_entropy(model.lm_head, hidden, target, **op_options)
 
 
