@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -13,7 +13,7 @@ from torch import nn
 
 from .backends import resolve_backend
 from .backends.base import TileParams
-from .engine import CallPlan, FusedLinearCrossEntropyFunction, forward_without_grad
+from .engine import CallPlan, FusedLinearCrossEntropyFunction, SavedForWeightGrad, forward_without_grad
 from .options import FLCEOptions, check_num_items, check_tensors, stats_request
 
 
@@ -71,6 +71,7 @@ def fused_linear_cross_entropy(
     backend: str = "auto",
     memory_budget: int | None = None,
     prob_weighted: bool = False,
+    save_for_weight_grad: Callable[[SavedForWeightGrad], None] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, FLCEStats]:
     """Cross-entropy of ``hidden @ weight.T + bias`` against ``target`` without materialising the logits.
 
@@ -96,6 +97,11 @@ def fused_linear_cross_entropy(
         memory_budget: bytes of logits alive at once.
         prob_weighted: multiply each token's loss by its detached target probability ``exp(logprobs)`` (DFT, as
             TRL's ``loss_type="dft"``). Needs a scalar reduction; the gradient is still formed during forward.
+        save_for_weight_grad: for a caller that computes the weight's gradient later, at a moment of its choosing
+            (``apply_flce(..., defer_head_grad=True)`` does, at the end of the backward). Pass ``weight`` detached;
+            a forward that computes gradients (those of ``hidden`` or ``bias``) calls this once with an
+            :class:`hf_flce.engine.SavedForWeightGrad`, whose ``weight_grad(g)`` returns dW for the loss's upstream
+            gradient ``g``. Needs a scalar reduction.
 
     Returns:
         The loss (0-d, or the shape of ``target`` for ``reduction="none"``, float32), and the stats if asked.
@@ -130,6 +136,13 @@ def fused_linear_cross_entropy(
             "weight the per-token loss yourself with stats.logprobs.exp().detach()"
         )
     check_num_items(num_items_in_batch, reduction)
+    if save_for_weight_grad is not None:
+        if not callable(save_for_weight_grad):
+            raise TypeError(f"save_for_weight_grad must be callable, got {type(save_for_weight_grad).__name__}")
+        if reduction == "none" and num_items_in_batch is None:
+            raise ValueError("save_for_weight_grad needs a scalar reduction ('mean', 'sum' or num_items_in_batch)")
+        if isinstance(weight, torch.Tensor) and weight.requires_grad:
+            raise ValueError("save_for_weight_grad needs the weight detached: its gradient is the caller's to compute")
 
     compute_dtype = None
     if isinstance(hidden, torch.Tensor) and torch.is_autocast_enabled(hidden.device.type):
@@ -182,6 +195,7 @@ def fused_linear_cross_entropy(
         compute_dtype=compute_dtype,
         prob_weighted=prob_weighted,
         want_stats=wanted_stats is not None,
+        save_for_weight_grad=save_for_weight_grad,
     )
     needs_grad = plan.grad_mode and any(t is not None and t.requires_grad for t in (x, weight, bias))
     # the GEMMs run in compute_dtype: autocast must not recast them inside

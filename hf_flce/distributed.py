@@ -484,6 +484,8 @@ def head_linear_cross_entropy(
 
     def forward(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         weight, bias = linear.weight, linear.bias
+        if options.get("save_for_weight_grad") is not None:
+            weight = weight.detach()  # the caller computes its gradient later (patches.late_head_grad)
         if not upcast:
             return _linear_ce(x, weight, target, bias, options)
         with torch.autocast(x.device.type, enabled=False):

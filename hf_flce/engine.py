@@ -42,6 +42,9 @@ class CallPlan:
     compute_dtype: torch.dtype | None = None
     prob_weighted: bool = False  # DFT: each row's loss times its detached target probability
     want_stats: bool = True  # whether the caller reads the per-token statistics (else they are not scattered)
+    # Called once by a scalar loss's forward with a SavedForWeightGrad, for a caller that passed the weight detached
+    # and computes its gradient later; cleared when called, so the saved state holds no path back to the caller.
+    save_for_weight_grad: Callable[[SavedForWeightGrad], None] | None = None
 
 
 def compute_operand(t: torch.Tensor, plan: CallPlan) -> torch.Tensor:
@@ -847,11 +850,51 @@ def forward_without_grad(x, weight, bias, target, plan: CallPlan) -> tuple[torch
     return _forward(x, weight, bias, target, plan, (False, False, False))[0]
 
 
+def _scalar_grad_per_row(g_loss: torch.Tensor, plan: CallPlan, row_prob, rows, n: int) -> torch.Tensor:
+    """A scalar loss's upstream gradient as each row's: ``g / denominator``, times the row's detached target
+    probability for DFT (``row_prob`` holds the kept rows')."""
+    per_row = (g_loss.to(torch.float32) / plan.denominator()).expand(n)
+    if plan.prob_weighted:
+        per_row = per_row * _scatter_rows(row_prob, rows, n)
+    return per_row
+
+
+@dataclass
+class SavedForWeightGrad:
+    """What a scalar loss computed against a detached weight leaves for that weight's gradient, computed later
+    (``patches.forward.LateHeadGrad``). The kept rows' lse is known, so dW takes no statistics pass and no host wait:
+    the recomputing backward of a per-token loss, with the scalar's gradient spread over the rows and dX not asked
+    for. Past the budget it walks the vocabulary in chunks, each chunk's gradient ``[rows, C]`` giving dW's rows of
+    that chunk in one GEMM over every kept row, written once in the weight's dtype: no float32 ``[V, H]`` sum."""
+
+    x: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    target: torch.Tensor
+    rows: torch.Tensor | None
+    lse: torch.Tensor
+    entropy: torch.Tensor
+    row_prob: torch.Tensor | None
+    plan: CallPlan
+
+    def weight_grad(self, g_loss: torch.Tensor) -> torch.Tensor:
+        """dW of the loss times its upstream gradient ``g_loss`` (0-d)."""
+        per_row = _scalar_grad_per_row(g_loss, self.plan, self.row_prob, self.rows, self.x.shape[0])
+        needs = (False, True, False)
+        args = (self.x, self.weight, self.bias, self.target, self.rows, self.lse, self.entropy, None, self.plan)
+        return _recompute_grads(*args, per_row, None, None, *needs)[1]
+
+
 class FusedLinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, target, plan: CallPlan):
         ctx.set_materialize_grads(False)
         outputs, state = _forward(x, weight, bias, target, plan, ctx.needs_input_grad[:3])
+        receiver, plan.save_for_weight_grad = plan.save_for_weight_grad, None
+        if receiver is not None and state is not None:
+            # detached: x's graph reaches the caller's, which holds this (a cycle only the garbage collector breaks)
+            inputs = (t if t is None else t.detach() for t in (x, weight, bias))
+            receiver(SavedForWeightGrad(*inputs, target, state.rows, state.lse, state.entropy, state.row_prob, plan))
         ctx.mark_non_differentiable(*outputs[3:])
         ctx.plan = plan
         ctx.eager = state is not None and state.eager_grads is not None
@@ -889,9 +932,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             else:
                 # A second backward (retain_graph): the eager buffers were handed out, so recompute, with the
                 # scalar's gradient spread over the rows.
-                per_token_loss = (g_loss.to(torch.float32) / plan.denominator()).expand(ctx.n)
-                if plan.prob_weighted:
-                    per_token_loss = per_token_loss * _scatter_rows(ctx.row_prob, rows, ctx.n)
+                per_token_loss = _scalar_grad_per_row(g_loss, plan, ctx.row_prob, rows, ctx.n)
         if per_token_loss is not None or g_logp is not None or g_ent is not None:
             upstream, gather = (per_token_loss, g_logp, g_ent), rows
             if ctx.rows_gathered:

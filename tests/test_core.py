@@ -424,6 +424,73 @@ def test_retain_graph_second_backward_of_a_scalar_loss(prob_weighted):
         torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-7)
 
 
+def _saved_for_weight_grad_vs_reference(x, w, y, b, kw, backend="torch", dtype=torch.float64):
+    """Loss, dX and db with the loss, dW from ``save_for_weight_grad`` later; returns ours and the float64
+    reference's gradients (hidden, weight[, bias])."""
+    leaves = [x.detach().clone().requires_grad_()] + ([] if b is None else [b.detach().clone().requires_grad_()])
+    saved = []
+    loss = hf_flce.fused_linear_cross_entropy(
+        leaves[0], w, y, None if b is None else leaves[1], save_for_weight_grad=saved.append, backend=backend, **kw
+    )
+    upstream = torch.tensor(0.37)
+    grads = list(torch.autograd.grad(loss, leaves, upstream))
+    assert len(saved) == 1 and saved[0].plan.save_for_weight_grad is None
+    grads.insert(1, saved[0].weight_grad(upstream.to(loss.device)))
+    ref_leaves = [t.detach().to(dtype).requires_grad_() for t in (x, w) + (() if b is None else (b,))]
+    ref_kw = {k: v for k, v in kw.items() if k != "memory_budget"}
+    ref_loss = reference_linear_cross_entropy(
+        ref_leaves[0], ref_leaves[1], y, ref_leaves[2] if b is not None else None, **ref_kw
+    )[0]
+    torch.testing.assert_close(loss.double(), ref_loss.double(), rtol=1e-5, atol=1e-5)
+    ref_grads = torch.autograd.grad(ref_loss, ref_leaves, upstream.to(dtype))
+    return grads, ref_grads
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"label_smoothing": 0.15, "z_loss": 1e-3, "softcap": 2.5, "temperature": 0.7, "bias": True},
+        {"class_weight": "random", "num_items_in_batch": 53},
+        {"prob_weighted": True, "reduction": "sum"},
+    ],
+    ids=["plain", "options", "class_weight", "dft"],
+)
+@pytest.mark.parametrize("budget, by_columns", [(None, False), (6000, True)], ids=["one_chunk", "chunked"])
+def test_weight_grad_saved_for_later(kw, budget, by_columns):
+    """``save_for_weight_grad``: dX and db come with the loss, dW later from the saved lse, each as the float64
+    reference's. Past the budget, dW is recomputed by vocabulary chunks; within it, in one row chunk."""
+    x, w, y, b = _problem(bias=kw.get("bias", False))
+    kw = {k: torch.rand(131) + 0.5 if v == "random" else v for k, v in kw.items() if k != "bias"}
+    real = engine._recompute_by_columns
+    with mock.patch.object(engine, "_recompute_by_columns", side_effect=real) as columns:
+        grads, ref_grads = _saved_for_weight_grad_vs_reference(x, w, y, b, {**kw, "memory_budget": budget})
+    assert columns.called == by_columns
+    for g, r, name in zip(grads, ref_grads, ("hidden", "weight", "bias")):
+        assert g.dtype == torch.float32
+        torch.testing.assert_close(g.double(), r, rtol=1e-4, atol=1e-5, msg=f"grad {name}")
+
+
+@pytest.mark.parametrize("n, ignore_every", [(1, 0), (9, 1)], ids=["one_token", "every_row_ignored"])
+def test_weight_grad_saved_for_later_edge_rows(n, ignore_every):
+    x, w, y, _ = _problem(n=n, v=257, ignore_every=ignore_every)
+    grads, ref_grads = _saved_for_weight_grad_vs_reference(x, w, y, None, {"memory_budget": 600})
+    if ignore_every == 1:
+        assert all(torch.count_nonzero(g) == 0 for g in grads)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g.double(), r, rtol=1e-4, atol=1e-5)
+
+
+def test_weight_grad_saved_for_later_bad_input():
+    x, w, y, _ = _problem()
+    with pytest.raises(ValueError, match="needs the weight detached"):
+        hf_flce.fused_linear_cross_entropy(x.requires_grad_(), w.requires_grad_(), y, save_for_weight_grad=print)
+    with pytest.raises(ValueError, match="save_for_weight_grad needs a scalar reduction"):
+        hf_flce.fused_linear_cross_entropy(x, w.detach(), y, reduction="none", save_for_weight_grad=print)
+    with pytest.raises(TypeError, match="save_for_weight_grad must be callable"):
+        hf_flce.fused_linear_cross_entropy(x, w.detach(), y, save_for_weight_grad=1)
+
+
 # ---------------------------------------------------------------------------------------------- bad input
 def _bad(match, exc=ValueError, **overrides):
     args = dict(hidden=torch.randn(4, 8), weight=torch.randn(10, 8), target=torch.randint(0, 10, (4,)))

@@ -18,6 +18,7 @@ from transformers.utils import find_labels
 import hf_flce
 from hf_flce import apply_flce, apply_flce_to_llama, apply_flce_to_mistral, apply_flce_to_qwen, revert_flce
 from hf_flce.patches import forward as patch_forward
+from hf_flce.patches.late_head_grad import LateHeadGrad
 from hf_flce.reference import reference_linear_cross_entropy
 
 VOCAB = 160
@@ -236,14 +237,14 @@ def test_deferred_head_grad_twice_frozen_and_sharded():
     ids, labels = make_batch()
     patched, stock = patched_pair("LlamaForCausalLM", defer_head_grad=True)
     started = []
-    real_start = patch_forward.LateHeadGrad.start.__func__
+    real_start = LateHeadGrad.start.__func__
 
-    def start(cls, model):
-        late = real_start(cls, model)
+    def start(cls, head):
+        late = real_start(cls, head)
         started.append(weakref.ref(late))
         return late
 
-    with mock.patch.object(patch_forward.LateHeadGrad, "start", classmethod(start)):
+    with mock.patch.object(LateHeadGrad, "start", classmethod(start)):
         out = patched(input_ids=ids, labels=labels)
     out.loss.backward(retain_graph=True)
     once = patched.lm_head.weight.grad.clone()

@@ -8,8 +8,10 @@ differences; gradient accuracy itself is checked against float64 in ``test_dpo_g
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
+from unittest import mock
 
 import pytest
 import torch
@@ -19,6 +21,7 @@ from trl.trainer.utils import add_fused_lm_head
 
 from hf_flce import FLCEDPOTrainer, FLCESFTTrainer
 from hf_flce.data import build_tiny_model, build_tokenizer, load_toy_dataset
+from hf_flce.patches.late_head_grad import LateHeadGrad
 from hf_flce.trainers import add_flce_lm_head
 from hf_flce.trainers.compat import trl_problems
 
@@ -161,7 +164,7 @@ def test_constructor_takes_everything_trl_does(ours, stock):
     trl_params = list(inspect.signature(stock.__init__).parameters)
     our_params = list(inspect.signature(ours.__init__).parameters)
     assert our_params[: len(trl_params)] == trl_params
-    assert our_params[len(trl_params) :] == ["flce_backend", "flce_memory_budget"]
+    assert our_params[len(trl_params) :] == ["flce_backend", "flce_memory_budget", "flce_defer_head_grad"]
     assert issubclass(ours, stock)
 
 
@@ -224,6 +227,36 @@ def test_head_scalar_loss_types(tokenizer, loss_type, monkeypatch):
     torch.testing.assert_close(mine.token_loss, per_token.sum() / 7, rtol=RTOL, atol=ATOL)
     for p_stock, p_ours in zip(stock.parameters(), ours.parameters()):
         torch.testing.assert_close(p_ours.grad, p_stock.grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("upcast", [False, True], ids=["", "cast_lm_head_to_fp32"])
+@pytest.mark.parametrize("loss_type", ["nll", "dft"])
+def test_head_defers_the_head_grad(tokenizer, loss_type, upcast):
+    """``defer_head_grad=True``: the loss and every gradient as the default head's, with lm_head's weight gradient
+    accumulated after the layers' instead of first. TRL's per-token contract (DPO's) is refused, as is a non-bool."""
+    models = [build_tiny_model(tokenizer), build_tiny_model(tokenizer)]
+    order = []
+    for defer, model in zip((False, True), models):
+        add_flce_lm_head(model, cast_lm_head_to_fp32=upcast, defer_head_grad=defer)
+        for name, param in (("head", model.lm_head.weight), ("layer", model.model.layers[-1].mlp.down_proj.weight)):
+            param.register_post_accumulate_grad_hook(lambda _, name=name, defer=defer: order.append((defer, name)))
+    ids = torch.randint(0, len(tokenizer), (2, 9))
+    labels = ids.masked_fill(torch.rand(ids.shape) < 0.3, -100)
+    outs = [
+        model(input_ids=ids, labels=labels, fused_lm_head=True, fused_loss_type=loss_type, num_items_in_batch=7)
+        for model in models
+    ]
+    for out in outs:
+        out.token_loss.backward()
+    torch.testing.assert_close(outs[1].token_loss, outs[0].token_loss, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(outs[1].entropy, outs[0].entropy, rtol=RTOL, atol=ATOL)
+    for (name, p_default), p_deferred in zip(models[0].named_parameters(), models[1].parameters()):
+        torch.testing.assert_close(p_deferred.grad, p_default.grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert order == [(False, "head"), (False, "layer"), (True, "layer"), (True, "head")]
+    with pytest.raises(ValueError, match="defer_head_grad=True needs a scalar loss"):
+        models[1](input_ids=ids, labels=labels, fused_lm_head=True)
+    with pytest.raises(TypeError, match="defer_head_grad must be a bool"):
+        add_flce_lm_head(models[0], defer_head_grad=1)
 
 
 def test_head_under_no_grad_and_generation(tokenizer):
@@ -309,6 +342,23 @@ def test_sft_default_nll(tokenizer, tmp_path):
     logs, trainer = _compare_sft(tokenizer, tmp_path)
     assert {"loss", "entropy", "mean_token_accuracy", "num_tokens", "eval_loss", "eval_entropy"} <= set().union(*logs)
     assert "hf-flce" in trainer._tag_names
+
+
+@pytest.mark.parametrize("loss_type", ["nll", "dft"])
+def test_sft_defer_head_grad(tokenizer, tmp_path, loss_type):
+    """``flce_defer_head_grad=True``: TRL's logs (train and eval) with gradient accumulation, lm_head's gradient
+    computed at the end of each micro-batch's backward; refused by the DPO trainer and for a non-bool."""
+    kwargs = dict(loss_type=loss_type, gradient_accumulation_steps=2)
+    stock, _ = run_sft(SFTTrainer, tokenizer, tmp_path / "stock", **kwargs)
+    deferred = functools.partial(FLCESFTTrainer, flce_defer_head_grad=True)
+    with mock.patch.object(LateHeadGrad, "weight_grad", autospec=True, side_effect=LateHeadGrad.weight_grad) as late:
+        ours, trainer = run_sft(deferred, tokenizer, tmp_path / "ours", **kwargs)
+    assert_logs_match(stock, ours)
+    assert trainer.flce_defer_head_grad and late.call_count == 2 * 2  # two steps of two micro-batches
+    with pytest.raises(ValueError, match="flce_defer_head_grad=True is for FLCESFTTrainer"):
+        FLCEDPOTrainer(model=build_tiny_model(tokenizer), flce_defer_head_grad=True)
+    with pytest.raises(TypeError, match="flce_defer_head_grad must be a bool"):
+        FLCESFTTrainer(model=build_tiny_model(tokenizer), flce_defer_head_grad="yes")
 
 
 def test_sft_dft(tokenizer, tmp_path):

@@ -524,6 +524,36 @@ def test_partly_kept_columns_with_a_frozen_head_every_row_ignored_and_a_second_b
     assert torch.count_nonzero(x.grad) == 0 and torch.count_nonzero(wg.grad) == 0
 
 
+@pytest.mark.parametrize("names", [(), ("softcap", "z_loss", "temperature", "bias")], ids=["plain", "options"])
+@pytest.mark.parametrize("budget, by_columns", [(None, False), (20000, True)], ids=["one_chunk", "chunked"])
+def test_weight_grad_saved_for_later(names, budget, by_columns, fused_calls):
+    """``save_for_weight_grad`` (``defer_head_grad``): dX and db from the scalar loss's epilogue in forward, dW later
+    by the recomputing GEMM with the gradient in its epilogue and the saved lse, in one chunk or by vocabulary chunks
+    (four of 256 columns here), each as the float64 reference's."""
+    hidden, weight, target, bias, opts = build(names, n=40, v=1000)
+    h, w, b = half(hidden, weight, bias)
+    leaves = [h.detach().clone().requires_grad_()] + ([] if b is None else [b.detach().clone().requires_grad_()])
+    saved = []
+    loss = hf_flce.fused_linear_cross_entropy(
+        leaves[0], w, target, None if b is None else leaves[1], backend="triton", memory_budget=budget,
+        save_for_weight_grad=saved.append, **opts,
+    )  # fmt: skip
+    upstream = torch.tensor(0.37, device=loss.device)
+    loss.backward(upstream)
+    assert fused_calls["recompute_gradient"] == 0
+    dw = saved[0].weight_grad(upstream)
+    assert fused_calls["recompute_gradient"] == (4 if by_columns else 1)
+    refs = [t.detach().double().requires_grad_() for t in (h, w) + (() if b is None else (b,))]
+    ref, _ = hf_flce.reference_linear_cross_entropy(refs[0], refs[1], target, None if b is None else refs[2], **opts)
+    assert_close(loss, ref, TOL, "loss")
+    ref.backward(upstream.double())
+    assert dw.dtype == w.dtype
+    assert_close(leaves[0].grad, refs[0].grad, GRAD_TOL, "dX")
+    assert_close(dw, refs[1].grad, GRAD_TOL, "dW")
+    if b is not None:
+        assert_close(leaves[1].grad, refs[2].grad, GRAD_TOL, "db")
+
+
 def test_plan_chunk_columns():
     for n_rows, vocab, budget in [(70, 777, 8192), (16384, 151936, 1 << 30), (8192, 128256, 1 << 30), (1, 5, 1)]:
         columns = engine.plan_chunk_columns(n_rows, vocab, 2, budget, triton_gemm.COLUMN_ALIGN)

@@ -18,9 +18,9 @@ from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 from transformers.utils.generic import can_return_tuple
 
-from ..api import fused_linear_cross_entropy
-from ..distributed import DTensor, head_linear_cross_entropy, linear_of
+from ..distributed import head_linear_cross_entropy, linear_of
 from ..options import BACKENDS, FLCEOptions, in_model_budget
+from .late_head_grad import LateHeadGrad
 
 try:
     from transformers.modeling_utils import slice_logits_to_keep
@@ -109,94 +109,6 @@ def _fused_head(model: nn.Module, labels: torch.Tensor | None, skip_logits: bool
     return options
 
 
-class LateHeadGrad:
-    """``lm_head``'s weight gradient computed last in the backward (``defer_head_grad=True``).
-
-    With the loss, the fused op computes dW as it goes: its float32 sum over chunks (``4 V H`` bytes) is alive at the
-    end of the forward, where the step's peak is (every layer's activations are), next to a chunk. Here the loss is
-    computed against the detached weight (dX and db only). An identity node on the weight, created before the layers
-    run so that it has the lowest sequence number of the step's nodes, is what the loss's gradient reaches the weight
-    through: the autograd engine runs it once nothing created after it is ready, after the layers' backward, when
-    their activations are gone. It then runs the loss again on the saved hidden states against the weight and
-    returns its dW: one more logits GEMM. The head's moment then holds dX and a chunk, as a peer that sums dW in bf16
-    does, with dW as accurate as the default's. It needs the weight whole on this device from the forward to the end
-    of the backward: one GPU, DDP (where the head's gradient is then ready last, so its all-reduce does not overlap
-    the backward), or FSDP2 with the head in the root unit (unsharded until the end of the backward)."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
-        self.weight, self.bias = weight, bias
-        self.alias = _HeadWeightAlias.apply(weight, self)
-        self.inputs: tuple | None = None
-        self.upstream: torch.Tensor | None = None
-
-    @classmethod
-    def start(cls, model: nn.Module) -> LateHeadGrad | None:
-        """Before the layers run: the deferral for ``model``'s head, or None where its weight takes no gradient."""
-        linear = linear_of(model.lm_head)
-        weight = None if linear is None else linear.weight
-        if weight is None or not weight.requires_grad or not torch.is_grad_enabled():
-            return None
-        if (
-            not isinstance(weight, nn.Parameter)
-            or getattr(weight, "_fsdp_flattened", False)
-            or hasattr(weight, "ds_id")
-            or isinstance(weight, DTensor)
-            or getattr(linear, "_hf_hook", None) is not None
-        ):
-            raise ValueError(
-                "defer_head_grad=True needs lm_head's weight whole on this device from the forward to the end of the "
-                "backward (one GPU, DDP, or FSDP2 with lm_head in the root unit); FSDP2 with lm_head as its own unit, "
-                "FSDP1, DeepSpeed ZeRO-3 and accelerate's offload shard or move it in between"
-            )
-        return cls(weight, linear.bias)
-
-    def loss(self, hidden: torch.Tensor, target: torch.Tensor, options: dict):
-        """The loss of ``hidden`` against the detached weight (dX and db only), tied to the alias. The alias is let
-        go here: the graph holds it, and a reference from this object would close a cycle through the alias's node
-        that only the garbage collector breaks, keeping each step's saved hidden states alive for several steps."""
-        loss = fused_linear_cross_entropy(hidden, self.weight.detach(), target, bias=self.bias, **options)
-        self.inputs = (hidden.detach(), target, options)
-        alias, self.alias = self.alias, None
-        return _TieHeadGrad.apply(loss, alias, self)
-
-    def weight_grad(self) -> torch.Tensor:
-        """dW of the loss times its upstream gradient, from the saved hidden states (the alias's backward)."""
-        hidden, target, options = self.inputs
-        weight = self.weight.detach().requires_grad_()
-        bias = None if self.bias is None else self.bias.detach()
-        with torch.enable_grad():
-            loss = fused_linear_cross_entropy(hidden, weight, target, bias=bias, **options)
-            (grad,) = torch.autograd.grad(loss, weight, grad_outputs=self.upstream)
-        self.upstream = None
-        return grad
-
-
-class _HeadWeightAlias(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, weight: torch.Tensor, late: LateHeadGrad) -> torch.Tensor:
-        ctx.late = late
-        return weight.view_as(weight)
-
-    @staticmethod
-    def backward(ctx, _placeholder):
-        return ctx.late.weight_grad(), None
-
-
-class _TieHeadGrad(torch.autograd.Function):
-    """The loss, passed through, with the alias as a second input: its backward hands the loss's gradient on and
-    records it for the alias, which gets a zero-stride placeholder (no ``[V, H]`` memory)."""
-
-    @staticmethod
-    def forward(ctx, loss: torch.Tensor, alias: torch.Tensor, late: LateHeadGrad) -> torch.Tensor:
-        ctx.late, ctx.shape, ctx.dtype = late, alias.shape, alias.dtype
-        return loss.view_as(loss)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        ctx.late.upstream = grad
-        return grad, grad.new_zeros((), dtype=ctx.dtype).expand(ctx.shape), None
-
-
 def _fused_loss(
     model: nn.Module,
     hidden: torch.Tensor,
@@ -229,7 +141,7 @@ def _fused_loss(
         memory_budget=in_model_budget(options.memory_budget, hidden.device),
     )
     if late is not None:
-        return late.loss(hidden, target, op_options)
+        return late.loss(model.lm_head, hidden, target, **op_options)
     return head_linear_cross_entropy(model.lm_head, hidden, target, **op_options)
 
 
@@ -258,7 +170,7 @@ def _forward(
     )
     if options is None:
         return state.stock_forward(self, **inputs, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
-    late = LateHeadGrad.start(self) if options.defer_head_grad else None  # before the layers' autograd nodes
+    late = LateHeadGrad.start(self.lm_head) if options.defer_head_grad else None  # before the layers' autograd nodes
     outputs = self.model(**inputs, **kwargs)
     hidden = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
     loss = _fused_loss(self, hidden, labels, options, kwargs, late)

@@ -13,6 +13,7 @@ from .head import flce_head_in_place_of_trl, has_flce_head
 _FLCE_OPTIONS = (
     inspect.Parameter("flce_backend", inspect.Parameter.KEYWORD_ONLY, default="auto", annotation=str),
     inspect.Parameter("flce_memory_budget", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=int | None),
+    inspect.Parameter("flce_defer_head_grad", inspect.Parameter.KEYWORD_ONLY, default=False, annotation=bool),
 )
 
 
@@ -20,15 +21,35 @@ class FLCETrainerMixin:
     """Runs the TRL trainer's constructor while its module's ``add_fused_lm_head`` installs
     :func:`~hf_flce.trainers.head.add_flce_lm_head`, then checks that every fused head is hf_flce's.
 
-    ``flce_backend`` and ``flce_memory_budget`` become the op's ``backend`` and ``memory_budget``.
+    ``flce_backend`` and ``flce_memory_budget`` become the op's ``backend`` and ``memory_budget``, and
+    ``flce_defer_head_grad`` the head's ``defer_head_grad`` (trainers whose loss is a scalar of the head only).
     """
 
     _trl_module: types.ModuleType
+    _scalar_head_loss: bool  # whether the trainer asks the head for a scalar loss (``fused_loss_type``)
 
-    def __init__(self, *args, flce_backend: str = "auto", flce_memory_budget: int | None = None, **kwargs) -> None:
+    def __init__(
+        self,
+        *args,
+        flce_backend: str = "auto",
+        flce_memory_budget: int | None = None,
+        flce_defer_head_grad: bool = False,
+        **kwargs,
+    ) -> None:
+        if not isinstance(flce_defer_head_grad, bool):
+            raise TypeError(f"flce_defer_head_grad must be a bool, got {flce_defer_head_grad!r}")
+        if flce_defer_head_grad and not self._scalar_head_loss:
+            raise ValueError(
+                f"flce_defer_head_grad=True is for FLCESFTTrainer: {type(self).__name__}'s loss needs the head's "
+                "per-token log-probs, whose backward recomputes the logits and has no float32 dW sum to defer"
+            )
         self.flce_backend = flce_backend
         self.flce_memory_budget = flce_memory_budget
-        with flce_head_in_place_of_trl(self._trl_module, backend=flce_backend, memory_budget=flce_memory_budget):
+        self.flce_defer_head_grad = flce_defer_head_grad
+        head_options = dict(
+            backend=flce_backend, memory_budget=flce_memory_budget, defer_head_grad=flce_defer_head_grad
+        )
+        with flce_head_in_place_of_trl(self._trl_module, **head_options):
             super().__init__(*args, **kwargs)
         for name, model in self._fused_models():
             if not has_flce_head(model):

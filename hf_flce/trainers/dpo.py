@@ -19,7 +19,9 @@ class FLCEDPOTrainer(FLCETrainerMixin, DPOTrainer):
     under ``torch.no_grad``, where the op computes no gradients at all. The reference may be ``ref_model``, the
     PEFT base model with the adapter disabled, or precomputed (``precompute_ref_log_probs``), exactly as in TRL.
 
-    Extra keyword-only options: ``flce_backend`` and ``flce_memory_budget``, as in :class:`FLCESFTTrainer`.
+    Extra keyword-only options: ``flce_backend`` and ``flce_memory_budget``, as in :class:`FLCESFTTrainer`
+    (``flce_defer_head_grad`` is refused: the DPO loss reads per-token log-probs, whose backward recomputes the
+    logits).
 
     Example (trains one step of a tiny model on a CPU)::
 
@@ -38,6 +40,7 @@ class FLCEDPOTrainer(FLCETrainerMixin, DPOTrainer):
     """
 
     _trl_module = trl_dpo
+    _scalar_head_loss = False
     _tag_names = [*DPOTrainer._tag_names, "hf-flce"]
 
     def _fused_models(self):

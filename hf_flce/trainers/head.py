@@ -22,6 +22,7 @@ from trl.trainer.utils import FusedCausalLMOutput
 
 from ..distributed import head_linear_cross_entropy, linear_of
 from ..options import in_model_budget
+from ..patches.late_head_grad import LateHeadGrad
 
 IGNORE_INDEX = -100
 FUSED_LOSS_TYPES = ("nll", "dft")
@@ -87,13 +88,16 @@ def add_flce_lm_head(
     *,
     backend: str = "auto",
     memory_budget: int | None = None,
+    defer_head_grad: bool = False,
 ) -> None:
     """Give ``model`` a fused LM head: ``model(..., labels=labels, fused_lm_head=True)`` returns an
     :class:`FLCECausalLMOutput` instead of logits; without ``fused_lm_head`` the forward is the original one.
 
     The first four arguments are those of ``trl.trainer.utils.add_fused_lm_head``. ``backend`` and ``memory_budget``
     go to :func:`hf_flce.fused_linear_cross_entropy`; without ``memory_budget`` (nor ``HF_FLCE_MEMORY_BUDGET``) the
-    head takes half the op's default budget, as the patched forwards do (``hf_flce.options.in_model_budget``). Extra
+    head takes half the op's default budget, as the patched forwards do (``hf_flce.options.in_model_budget``).
+    ``defer_head_grad`` computes ``lm_head``'s weight gradient at the end of the backward for the scalar losses, as
+    ``apply_flce(..., defer_head_grad=True)`` does (:class:`hf_flce.patches.late_head_grad.LateHeadGrad`). Extra
     forward keywords:
 
     * ``fused_loss_type``: ``None`` (TRL's contract: differentiable per-token ``log_probs`` and ``entropy``; the op
@@ -117,6 +121,8 @@ def add_flce_lm_head(
     unknown = set(outputs) - {"log_probs", *_PER_TOKEN_FIELDS}
     if unknown:
         raise ValueError(f"unknown fused-head outputs {sorted(unknown)}")
+    if not isinstance(defer_head_grad, bool):
+        raise TypeError(f"defer_head_grad must be a bool, got {defer_head_grad!r}")
     original_forward = model.forward
     text_config = model.config.get_text_config()
     op_temperature, op_softcap = op_transform(text_config, temperature)
@@ -145,12 +151,16 @@ def add_flce_lm_head(
             raise ValueError(f"fused_loss_type must be None or one of {FUSED_LOSS_TYPES}, got {fused_loss_type!r}")
         if fused_label_smoothing and fused_loss_type != "nll":
             raise ValueError("fused_label_smoothing applies to fused_loss_type='nll' only")
+        if defer_head_grad and fused_loss_type is None:
+            raise ValueError(
+                "defer_head_grad=True needs a scalar loss (fused_loss_type 'nll' or 'dft'): the per-token log_probs' "
+                "backward recomputes the logits and has no float32 dW sum to defer"
+            )
 
         kwargs["use_cache"] = False
         if getattr(text_config, "output_router_logits", False):
             kwargs.setdefault("output_router_logits", True)
         # Looked up on each call: FSDP and PEFT replace the backbone and the head after patching.
-        backbone_outputs = self.base_model(*args, **kwargs)
         lm_head = self.get_output_embeddings()
         linear = linear_of(lm_head)
         if linear is None:
@@ -158,6 +168,8 @@ def add_flce_lm_head(
                 f"the fused head needs a plain linear lm_head, got {type(lm_head).__name__} "
                 "(an adapter on lm_head would be skipped; put LoRA on other modules or use modules_to_save)"
             )
+        late = LateHeadGrad.start(lm_head) if defer_head_grad else None  # before the backbone's autograd nodes
+        backbone_outputs = self.base_model(*args, **kwargs)
         # With the model split across devices (device_map) the backbone can end on another device than the head.
         hidden = backbone_outputs.last_hidden_state.to(linear.weight.device)
         # Score every position against the next token, the last one against nothing: the hidden states stay a view.
@@ -169,7 +181,7 @@ def add_flce_lm_head(
         call_kwargs = {**op_kwargs, "memory_budget": in_model_budget(memory_budget, hidden.device)}
         # Run as lm_head's own forward, so FSDP1/FSDP2/ZeRO-3 gather the weight as they would for logits.
         head_loss = functools.partial(
-            head_linear_cross_entropy,
+            head_linear_cross_entropy if late is None else late.loss,
             lm_head,
             hidden,
             targets,

@@ -23,8 +23,11 @@ class FLCESFTTrainer(FLCETrainerMixin, SFTTrainer):
     metrics (``entropy``, ``mean_token_accuracy``, ``num_tokens``, ``aux_loss``) come from the op's detached stats.
     Evaluation without ``compute_metrics`` never builds the logits.
 
-    Extra keyword-only options: ``flce_backend`` (``"auto"``, ``"torch"``, ``"triton"``, ``"ascend"``) and
-    ``flce_memory_budget`` (bytes of logits alive at once; default: half the op's, as in every patched model).
+    Extra keyword-only options: ``flce_backend`` (``"auto"``, ``"torch"``, ``"triton"``, ``"ascend"``),
+    ``flce_memory_budget`` (bytes of logits alive at once; default: half the op's, as in every patched model) and
+    ``flce_defer_head_grad`` (``lm_head``'s weight gradient at the end of the backward, as
+    ``apply_flce(..., defer_head_grad=True)``: a lower peak for one more logits GEMM; one GPU, DDP, or FSDP2 with
+    ``lm_head`` in the root unit).
 
     Example (trains one step of a tiny model on a CPU)::
 
@@ -42,6 +45,7 @@ class FLCESFTTrainer(FLCETrainerMixin, SFTTrainer):
     """
 
     _trl_module = trl_sft
+    _scalar_head_loss = True
     _tag_names = [*SFTTrainer._tag_names, "hf-flce"]
 
     def _flce_owns_loss(self) -> bool:

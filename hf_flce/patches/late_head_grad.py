@@ -1,0 +1,105 @@
+"""``lm_head``'s weight gradient computed at the end of the backward (``defer_head_grad=True``), shared by the
+patched forwards and the TRL trainers' fused head."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..distributed import DTensor, head_linear_cross_entropy, linear_of
+from ..engine import SavedForWeightGrad
+
+
+class LateHeadGrad:
+    """``lm_head``'s weight gradient computed last in the backward.
+
+    With the loss, the fused op computes dW as it goes: its float32 sum over chunks (``4 V H`` bytes) is alive at the
+    end of the forward, where the step's peak is (every layer's activations are), next to a chunk. Here the loss is
+    computed against the detached weight (dX and db only). An identity node on the weight, created before the layers
+    run so that it has the lowest sequence number of the step's nodes, is what the loss's gradient reaches the weight
+    through: the autograd engine runs it once nothing created after it is ready, after the layers' backward, when
+    their activations are gone. It then recomputes the logits from the hidden states and each row's lse, both saved
+    by the forward, and returns dW: one more logits GEMM, with no statistics pass and no host wait. Past the memory
+    budget it walks the vocabulary in chunks, each chunk's dW rows one GEMM over every row, with no float32
+    ``[V, H]`` sum. The head's moment then holds dX and a chunk, as a peer that sums dW in bf16 does, with dW rounded
+    once. It needs the weight whole on this device from the forward to the end of the backward: one GPU, DDP (where
+    the head's gradient is then ready last, so its all-reduce does not overlap the backward), or FSDP2 with the head
+    in the root unit (unsharded until the end of the backward)."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight
+        self.alias = _HeadWeightAlias.apply(weight, self)
+        self.saved: SavedForWeightGrad | None = None
+        self.upstream: torch.Tensor | None = None
+
+    @classmethod
+    def start(cls, head: nn.Module) -> LateHeadGrad | None:
+        """Before the layers run: the deferral for ``head`` (the model's ``lm_head``), or None where its weight takes
+        no gradient."""
+        linear = linear_of(head)
+        weight = None if linear is None else linear.weight
+        if weight is None or not weight.requires_grad or not torch.is_grad_enabled():
+            return None
+        if (
+            not isinstance(weight, nn.Parameter)
+            or getattr(weight, "_fsdp_flattened", False)
+            or hasattr(weight, "ds_id")
+            or isinstance(weight, DTensor)
+            or getattr(linear, "_hf_hook", None) is not None
+        ):
+            raise ValueError(
+                "defer_head_grad=True needs lm_head's weight whole on this device from the forward to the end of the "
+                "backward (one GPU, DDP, or FSDP2 with lm_head in the root unit); FSDP2 with lm_head as its own unit, "
+                "FSDP1, DeepSpeed ZeRO-3 and accelerate's offload shard or move it in between"
+            )
+        return cls(weight)
+
+    def loss(self, head: nn.Module, hidden: torch.Tensor, target: torch.Tensor, **options):
+        """:func:`hf_flce.distributed.head_linear_cross_entropy` against the detached weight (dX and db only), its
+        loss tied to the alias. The alias is let go here: the graph holds it, and a reference from this object would
+        close a cycle through the alias's node that only the garbage collector breaks, keeping each step's saved
+        hidden states alive for several steps. Hidden states that take no gradient (a frozen trunk) leave nothing to
+        defer past: dW then comes with the loss."""
+        alias, self.alias = self.alias, None
+        if not hidden.requires_grad:
+            return head_linear_cross_entropy(head, hidden, target, **options)
+        out = head_linear_cross_entropy(head, hidden, target, save_for_weight_grad=self._keep, **options)
+        if isinstance(out, tuple):
+            return (_TieHeadGrad.apply(out[0], alias, self), *out[1:])
+        return _TieHeadGrad.apply(out, alias, self)
+
+    def _keep(self, saved: SavedForWeightGrad) -> None:
+        self.saved = saved
+
+    def weight_grad(self) -> torch.Tensor:
+        """dW of the loss times its upstream gradient (the alias's backward), from what the loss's forward saved, in
+        the weight's dtype (an upcast head computes it in float32)."""
+        grad = self.saved.weight_grad(self.upstream).to(self.weight.dtype)
+        self.upstream = None
+        return grad
+
+
+class _HeadWeightAlias(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, late: LateHeadGrad) -> torch.Tensor:
+        ctx.late = late
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, _placeholder):
+        return ctx.late.weight_grad(), None
+
+
+class _TieHeadGrad(torch.autograd.Function):
+    """The loss, passed through, with the alias as a second input: its backward hands the loss's gradient on and
+    records it for the alias, which gets a zero-stride placeholder (no ``[V, H]`` memory)."""
+
+    @staticmethod
+    def forward(ctx, loss: torch.Tensor, alias: torch.Tensor, late: LateHeadGrad) -> torch.Tensor:
+        ctx.late, ctx.shape, ctx.dtype = late, alias.shape, alias.dtype
+        return loss.view_as(loss)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.late.upstream = grad
+        return grad, grad.new_zeros((), dtype=ctx.dtype).expand(ctx.shape), None
