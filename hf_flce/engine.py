@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -877,11 +877,13 @@ class SavedForWeightGrad:
     row_prob: torch.Tensor | None
     plan: CallPlan
 
-    def weight_grad(self, g_loss: torch.Tensor) -> torch.Tensor:
-        """dW of the loss times its upstream gradient ``g_loss`` (0-d)."""
-        per_row = _scalar_grad_per_row(g_loss, self.plan, self.row_prob, self.rows, self.x.shape[0])
+    def weight_grad(self, g_loss: torch.Tensor, memory_budget: int | None = None) -> torch.Tensor:
+        """dW of the loss times its upstream gradient ``g_loss`` (0-d), within ``memory_budget`` bytes of logits (by
+        default the forward's)."""
+        plan = self.plan if memory_budget is None else replace(self.plan, budget=memory_budget)
+        per_row = _scalar_grad_per_row(g_loss, plan, self.row_prob, self.rows, self.x.shape[0])
         needs = (False, True, False)
-        args = (self.x, self.weight, self.bias, self.target, self.rows, self.lse, self.entropy, None, self.plan)
+        args = (self.x, self.weight, self.bias, self.target, self.rows, self.lse, self.entropy, None, plan)
         return _recompute_grads(*args, per_row, None, None, *needs)[1]
 
 

@@ -16,7 +16,7 @@ import transformers
 from transformers.utils import find_labels
 
 import hf_flce
-from hf_flce import apply_flce, apply_flce_to_llama, apply_flce_to_mistral, apply_flce_to_qwen, revert_flce
+from hf_flce import apply_flce, apply_flce_to_llama, apply_flce_to_mistral, apply_flce_to_qwen, engine, revert_flce
 from hf_flce.patches import forward as patch_forward
 from hf_flce.patches.late_head_grad import LateHeadGrad
 from hf_flce.reference import reference_linear_cross_entropy
@@ -313,6 +313,36 @@ def test_patched_forward_takes_the_in_model_budget(monkeypatch):
     monkeypatch.setenv(BUDGET_ENV, "many")
     with pytest.raises(ValueError, match=BUDGET_ENV):
         in_model_budget(None, torch.device("cpu"))
+
+
+def test_deferred_head_grad_budgets(monkeypatch):
+    """With ``defer_head_grad`` the forward's chunks stay within the deferred gradient's bytes (``V H`` in the
+    weight's dtype, less than the in-model budget here), and the recompute at the end of the backward takes the
+    in-model budget; an explicit budget below the gradient's bytes is taken as given for both."""
+    from hf_flce.options import DEFAULT_BUDGET_CPU
+    from hf_flce.patches import late_head_grad
+
+    budgets = []
+    real_call, real_grad = late_head_grad.head_linear_cross_entropy, engine.SavedForWeightGrad.weight_grad
+
+    def call(*args, **kwargs):
+        budgets.append(("forward", kwargs["memory_budget"]))
+        return real_call(*args, **kwargs)
+
+    def weight_grad(saved, g_loss, memory_budget=None):
+        budgets.append(("weight_grad", memory_budget))
+        return real_grad(saved, g_loss, memory_budget)
+
+    monkeypatch.setattr(late_head_grad, "head_linear_cross_entropy", call)
+    monkeypatch.setattr(engine.SavedForWeightGrad, "weight_grad", weight_grad)
+    ids, labels = make_batch()
+    for budget in (None, 4096):
+        model = apply_flce(make_model("LlamaForCausalLM"), defer_head_grad=True, memory_budget=budget)
+        model(input_ids=ids, labels=labels).loss.backward()
+    head_bytes = model.lm_head.weight.numel() * model.lm_head.weight.element_size()
+    assert 4096 < head_bytes < DEFAULT_BUDGET_CPU // 2
+    expected = [("forward", head_bytes), ("weight_grad", DEFAULT_BUDGET_CPU // 2)]
+    assert budgets == expected + [("forward", 4096), ("weight_grad", 4096)]
 
 
 def test_class_patch_apply_twice_and_revert():

@@ -31,6 +31,7 @@ class LateHeadGrad:
         self.alias = _HeadWeightAlias.apply(weight, self)
         self.saved: SavedForWeightGrad | None = None
         self.upstream: torch.Tensor | None = None
+        self.budget: int | None = None
 
     @classmethod
     def start(cls, head: nn.Module) -> LateHeadGrad | None:
@@ -63,7 +64,14 @@ class LateHeadGrad:
         alias, self.alias = self.alias, None
         if not hidden.requires_grad:
             return head_linear_cross_entropy(head, hidden, target, **options)
-        out = head_linear_cross_entropy(head, hidden, target, save_for_weight_grad=self._keep, **options)
+        # The forward's chunks are kept within the gradient it defers (V H in the weight's dtype): its moment then
+        # holds no more than a head that keeps that gradient, and thin-H heads (qwen3-0.6b: 0.29 GiB against the
+        # in-model 512 MiB) take a few more chunks, which without a dW sum cost only their launches. The recompute
+        # at the end of the backward, past the step's peak, takes the budget given.
+        self.budget = options["memory_budget"]
+        forward_budget = min(self.budget, self.weight.numel() * self.weight.element_size())
+        options = {**options, "memory_budget": forward_budget, "save_for_weight_grad": self._keep}
+        out = head_linear_cross_entropy(head, hidden, target, **options)
         if isinstance(out, tuple):
             return (_TieHeadGrad.apply(out[0], alias, self), *out[1:])
         return _TieHeadGrad.apply(out, alias, self)
@@ -74,7 +82,7 @@ class LateHeadGrad:
     def weight_grad(self) -> torch.Tensor:
         """dW of the loss times its upstream gradient (the alias's backward), from what the loss's forward saved, in
         the weight's dtype (an upcast head computes it in float32)."""
-        grad = self.saved.weight_grad(self.upstream).to(self.weight.dtype)
+        grad = self.saved.weight_grad(self.upstream, self.budget).to(self.weight.dtype)
         self.upstream = None
         return grad
 
