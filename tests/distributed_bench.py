@@ -2,10 +2,12 @@
 
     accelerate launch --config_file examples/accelerate/fsdp2.yaml tests/distributed_bench.py OUT.json [RUN ...]
 
-Runs (all four by default, in this order):
+Runs (the first four by default, in this order):
 
 * ``trainer_stock`` / ``trainer_flce``: ``transformers.Trainer`` on the model as built, or patched by ``apply_flce``.
 * ``sft_stock`` / ``sft_flce``: TRL's ``SFTTrainer`` (its own chunked fused head) against ``FLCESFTTrainer``.
+* ``trainer_flce_late`` / ``sft_flce_late``: the same with lm_head's gradient at the end of the backward
+  (``defer_head_grad=True``, ``flce_defer_head_grad=True``): under DDP, or FSDP2 with lm_head in the root unit.
 
 Every run trains a Qwen3-0.6B-sized model (random weights, tied embeddings, sdpa; bf16 mixed precision as the launch
 config sets it) on the same rows: one sequence of ``--seq`` random tokens per rank and step, whose first quarter is
@@ -33,7 +35,10 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-RUNS = ("trainer_stock", "trainer_flce", "sft_stock", "sft_flce")
+DEFAULT_RUNS = ("trainer_stock", "trainer_flce", "sft_stock", "sft_flce")
+# lm_head's gradient at the end of the backward (``defer_head_grad``): DDP and FSDP2 with lm_head in the root unit
+LATE_RUNS = ("trainer_flce_late", "sft_flce_late")
+RUNS = DEFAULT_RUNS + LATE_RUNS
 
 
 def bench_config(tiny: bool):
@@ -115,10 +120,10 @@ def make_trainer(name: str, model, rows, out: str, opts, timer: StepTimer):
     if name.startswith("trainer_"):
         from transformers import Trainer, TrainingArguments, default_data_collator
 
-        if name == "trainer_flce":
+        if name.startswith("trainer_flce"):
             from hf_flce import apply_flce
 
-            apply_flce(model)
+            apply_flce(model, defer_head_grad=name in LATE_RUNS)
         data = [{k: torch.tensor(v) for k, v in row.items()} for row in rows]
         return Trainer(
             model=model,
@@ -133,8 +138,12 @@ def make_trainer(name: str, model, rows, out: str, opts, timer: StepTimer):
     from hf_flce import FLCESFTTrainer
     from hf_flce.data import build_tokenizer
 
-    trainer_cls = FLCESFTTrainer if name == "sft_flce" else SFTTrainer
+    extra = {}
+    trainer_cls = SFTTrainer
+    if name.startswith("sft_flce"):
+        trainer_cls, extra = FLCESFTTrainer, {"flce_defer_head_grad": name in LATE_RUNS}
     return trainer_cls(
+        **extra,
         model=model,
         args=SFTConfig(**common, max_length=opts.seq),
         train_dataset=Dataset.from_list(rows),
@@ -175,23 +184,33 @@ def run_one(name: str, opts, config, rows) -> dict:
 
 
 def ratios(runs: dict) -> dict:
+    """Ours ÷ stock per family (``trainer``, ``sft``), and the deferred head's ÷ stock and ÷ ours (``trainer_late``,
+    ``trainer_late_vs_flce``, ...) where those runs were made."""
     out = {}
     for family in ("trainer", "sft"):
-        stock, ours = runs.get(f"{family}_stock"), runs.get(f"{family}_flce")
-        if not stock or not ours or stock["failure"] or ours["failure"]:
-            continue
-        peak_stock, peak_ours = max(stock["peak_gib_per_rank"]), max(ours["peak_gib_per_rank"])
-        out[family] = {
-            "tokens_per_s": ours["tokens_per_s"] / stock["tokens_per_s"],
-            "peak_gib": peak_ours / peak_stock if peak_stock else None,
+        pairs = {
+            family: (f"{family}_flce", f"{family}_stock"),
+            f"{family}_late": (f"{family}_flce_late", f"{family}_stock"),
+            f"{family}_late_vs_flce": (f"{family}_flce_late", f"{family}_flce"),
         }
+        for key, (ours_name, base_name) in pairs.items():
+            ours, base = runs.get(ours_name), runs.get(base_name)
+            if not base or not ours or base["failure"] or ours["failure"]:
+                continue
+            peak_base, peak_ours = max(base["peak_gib_per_rank"]), max(ours["peak_gib_per_rank"])
+            out[key] = {
+                "tokens_per_s": ours["tokens_per_s"] / base["tokens_per_s"],
+                "peak_gib": peak_ours / peak_base if peak_base else None,
+            }
     return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path, help="JSON file written by rank 0")
-    parser.add_argument("runs", nargs="*", metavar="RUN", help=f"any of {', '.join(RUNS)} (default: all)")
+    parser.add_argument(
+        "runs", nargs="*", metavar="RUN", help=f"any of {', '.join(RUNS)} (default: {', '.join(DEFAULT_RUNS)})"
+    )
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=3)
@@ -200,7 +219,7 @@ def main() -> None:
     unknown = sorted(set(opts.runs) - set(RUNS))
     if unknown:
         parser.error(f"unknown runs {unknown}; choose from {RUNS}")
-    opts.runs = opts.runs or list(RUNS)
+    opts.runs = opts.runs or list(DEFAULT_RUNS)
     if opts.tiny:
         opts.seq = min(opts.seq, 128)
     config = bench_config(opts.tiny)

@@ -468,7 +468,7 @@ def test_torch_compile(defer):
         torch.testing.assert_close(g, ref_g, rtol=1e-4, atol=1e-4 * ref_g.abs().max())
 
 
-def _train(model, tmp_path, fused: bool):
+def _train(model, tmp_path, fused: bool, defer_head_grad: bool = False):
     gen = torch.Generator().manual_seed(2)
     rows = []
     for i in range(10):  # different masked-prompt lengths, so num_items_in_batch matters
@@ -477,7 +477,7 @@ def _train(model, tmp_path, fused: bool):
         labels[: 1 + (3 * i) % 9] = -100
         rows.append(dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels))
     if fused:
-        apply_flce(model)
+        apply_flce(model, defer_head_grad=defer_head_grad)
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path / ("fused" if fused else "stock")),
         per_device_train_batch_size=2,
@@ -508,11 +508,17 @@ def _train(model, tmp_path, fused: bool):
     return losses, trainer.evaluate()
 
 
-@pytest.mark.parametrize("name", ["LlamaForCausalLM", "Qwen3MoeForCausalLM"])
-def test_trainer_gradient_accumulation_matches_stock(name, tmp_path):
+@pytest.mark.parametrize(
+    "name, defer",
+    [("LlamaForCausalLM", False), ("Qwen3MoeForCausalLM", False), ("LlamaForCausalLM", True)],
+    ids=["llama", "qwen3_moe", "llama-defer_head_grad"],
+)
+def test_trainer_gradient_accumulation_matches_stock(name, defer, tmp_path):
+    """HF ``Trainer`` with gradient accumulation, as stock; with ``defer_head_grad`` too (Trainer scales the loss in
+    place, which a view of a custom Function's output would refuse)."""
     patched, stock = patched_pair(name, tie=True)
     revert_flce(patched)
-    losses, metrics = _train(patched, tmp_path, fused=True)
+    losses, metrics = _train(patched, tmp_path, fused=True, defer_head_grad=defer)
     ref_losses, ref_metrics = _train(stock, tmp_path, fused=False)
     assert len(losses) == 4
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)

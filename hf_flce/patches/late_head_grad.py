@@ -105,7 +105,9 @@ class _TieHeadGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, loss: torch.Tensor, alias: torch.Tensor, late: LateHeadGrad) -> torch.Tensor:
         ctx.late, ctx.shape, ctx.dtype = late, alias.shape, alias.dtype
-        return loss.view_as(loss)
+        # a copy, not a view: callers scale the loss in place (HF Trainer's ``loss *= ...``), which autograd forbids
+        # on a view made inside a custom Function
+        return loss.clone()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
