@@ -233,7 +233,8 @@ def test_head_scalar_loss_types(tokenizer, loss_type, monkeypatch):
 @pytest.mark.parametrize("loss_type", ["nll", "dft"])
 def test_head_defers_the_head_grad(tokenizer, loss_type, upcast):
     """``defer_head_grad=True``: the loss and every gradient as the default head's, with lm_head's weight gradient
-    accumulated after the layers' instead of first. TRL's per-token contract (DPO's) is refused, as is a non-bool."""
+    accumulated after the layers' instead of first. TRL's per-token contract (DPO's) is refused where it would take a
+    gradient, as is a non-bool."""
     models = [build_tiny_model(tokenizer), build_tiny_model(tokenizer)]
     order = []
     for defer, model in zip((False, True), models):
@@ -255,6 +256,8 @@ def test_head_defers_the_head_grad(tokenizer, loss_type, upcast):
     assert order == [(False, "head"), (False, "layer"), (True, "layer"), (True, "head")]
     with pytest.raises(ValueError, match="defer_head_grad=True needs a scalar loss"):
         models[1](input_ids=ids, labels=labels, fused_lm_head=True)
+    with torch.no_grad():  # nothing to defer: TRL's per-token contract, as evaluation asks for it
+        assert models[1](input_ids=ids, labels=labels, fused_lm_head=True).log_probs.shape == (2, 8)
     with pytest.raises(TypeError, match="defer_head_grad must be a bool"):
         add_flce_lm_head(models[0], defer_head_grad=1)
 

@@ -151,7 +151,7 @@ def add_flce_lm_head(
             raise ValueError(f"fused_loss_type must be None or one of {FUSED_LOSS_TYPES}, got {fused_loss_type!r}")
         if fused_label_smoothing and fused_loss_type != "nll":
             raise ValueError("fused_label_smoothing applies to fused_loss_type='nll' only")
-        if defer_head_grad and fused_loss_type is None:
+        if defer_head_grad and fused_loss_type is None and torch.is_grad_enabled():
             raise ValueError(
                 "defer_head_grad=True needs a scalar loss (fused_loss_type 'nll' or 'dft'): the per-token log_probs' "
                 "backward recomputes the logits and has no float32 dW sum to defer"
