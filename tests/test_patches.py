@@ -440,13 +440,17 @@ def test_gradient_checkpointing(defer, reentrant):
     assert_same_training(patched, stock, input_ids=ids, labels=labels, use_cache=False)
 
 
-def test_bf16_autocast():
-    patched, stock = patched_pair("LlamaForCausalLM")
+@pytest.mark.parametrize("defer", [False, True], ids=["", "defer_head_grad"])
+def test_bf16_autocast(defer):
+    """fp32 weights under bf16 autocast (mixed precision as accelerate and DDP run it): the head's gradient comes back
+    in float32, with or without ``defer_head_grad``."""
+    patched, stock = patched_pair("LlamaForCausalLM", defer_head_grad=defer)
     ids, labels = make_batch()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out, grads = loss_and_grads(patched, input_ids=ids, labels=labels)
         ref, ref_grads = loss_and_grads(stock, input_ids=ids, labels=labels)
     assert out.logits is None and out.loss.dtype == torch.float32
+    assert grads["lm_head.weight"].dtype == torch.float32
     # bf16 rounding differs (stock rounds the logits to bf16 before its fp32 loss), so compare loosely.
     torch.testing.assert_close(out.loss, ref.loss, rtol=1e-2, atol=0)
     for name, g in grads.items():
