@@ -5,6 +5,7 @@ The arguments are exactly TRL's: the parser is TRL's own (``ScriptArguments``, `
 ``trl``, the ``hf-flce`` command launches the training through ``accelerate launch`` (arguments that TRL's parser
 does not know, such as ``--num_processes`` or ``--accelerate_config``, go to accelerate). Each launched process runs
 ``python -m hf_flce.cli``, which trains in-process; so does ``accelerate launch -m hf_flce.cli sft ...``.
+``HF_FLCE_DEFER_HEAD_GRAD=1`` gives the SFT trainer ``flce_defer_head_grad=True`` (TRL's parser has no place for it).
 
 Example:
     hf-flce sft --model_name_or_path Qwen/Qwen2.5-0.5B --dataset_name trl-lib/Capybara --output_dir out
@@ -17,6 +18,8 @@ import argparse
 import sys
 
 COMMANDS = ("sft", "dpo")
+# ``HF_FLCE_DEFER_HEAD_GRAD=1 hf-flce sft ...``: ``FLCESFTTrainer(flce_defer_head_grad=True)``
+DEFER_HEAD_GRAD_ENV = "HF_FLCE_DEFER_HEAD_GRAD"
 
 
 def make_parser(command: str, prog: str | None = None):
@@ -81,6 +84,7 @@ def train(
     from packaging.version import Version
     from trl import get_peft_config, get_quantization_config
 
+    from .options import env_flag
     from .trainers import FLCEDPOTrainer, FLCESFTTrainer
 
     init_kwargs = dict(
@@ -96,6 +100,9 @@ def train(
     _check_columns(command, dataset[script_args.dataset_train_split], training_args)
     if trainer_cls is None:
         trainer_cls = FLCESFTTrainer if command == "sft" else FLCEDPOTrainer
+        # hf_flce's own trainer option, which TRL's parser has no place for (the DPO trainer refuses it)
+        if env_flag(DEFER_HEAD_GRAD_ENV):
+            kwargs.setdefault("flce_defer_head_grad", True)
     trainer = trainer_cls(
         model=model if model is not None else model_args.model_name_or_path,
         args=training_args,

@@ -89,6 +89,17 @@ def env_positive_int(name: str) -> int | None:
     return value
 
 
+def env_flag(name: str) -> bool:
+    """The on/off environment variable ``name``: ``1``/``true`` or ``0``/``false`` (any case), off where unset or
+    empty."""
+    raw = os.environ.get(name, "").strip().lower()
+    if raw in ("", "0", "false"):
+        return False
+    if raw in ("1", "true"):
+        return True
+    raise ValueError(f"{name} must be 1, 0, true or false, got {os.environ[name]!r}")
+
+
 def _check_real(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")

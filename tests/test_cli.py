@@ -52,6 +52,19 @@ def test_parser_is_trls(command, trl_script):
     assert sorted(a.option_strings for a in ours._actions) == sorted(a.option_strings for a in theirs._actions)
 
 
+def test_defer_head_grad_from_the_environment(workdir, monkeypatch):
+    """``HF_FLCE_DEFER_HEAD_GRAD=1`` reaches ``FLCESFTTrainer``; the DPO trainer refuses it; a value that is not a
+    flag is a ValueError naming the variable."""
+    monkeypatch.setenv(cli.DEFER_HEAD_GRAD_ENV, "1")
+    trainer = cli.train("sft", *cli.make_parser("sft").parse_args_and_config(_args(workdir, "sft")))
+    assert trainer.flce_defer_head_grad and trainer.state.global_step == 2
+    with pytest.raises(ValueError, match="flce_defer_head_grad=True is for FLCESFTTrainer"):
+        cli.train("dpo", *cli.make_parser("dpo").parse_args_and_config(_args(workdir, "dpo")))
+    monkeypatch.setenv(cli.DEFER_HEAD_GRAD_ENV, "yes")
+    with pytest.raises(ValueError, match=f"{cli.DEFER_HEAD_GRAD_ENV} must be 1, 0, true or false"):
+        cli.train("sft", *cli.make_parser("sft").parse_args_and_config(_args(workdir, "sft")))
+
+
 def test_sft_trains_with_our_trainer(workdir):
     parser = cli.make_parser("sft")
     parsed = parser.parse_args_and_config(_args(workdir, "sft", "--loss_type", "dft"))
