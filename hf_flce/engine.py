@@ -862,10 +862,11 @@ def _scalar_grad_per_row(g_loss: torch.Tensor, plan: CallPlan, row_prob, rows, n
 @dataclass
 class SavedForWeightGrad:
     """What a scalar loss computed against a detached weight leaves for that weight's gradient, computed later
-    (``patches.late_head_grad.LateHeadGrad``). The kept rows' lse is known, so dW takes no statistics pass and no host wait:
-    the recomputing backward of a per-token loss, with the scalar's gradient spread over the rows and dX not asked
-    for. Past the budget it walks the vocabulary in chunks, each chunk's gradient ``[rows, C]`` giving dW's rows of
-    that chunk in one GEMM over every kept row, written once in the weight's dtype: no float32 ``[V, H]`` sum."""
+    (``patches.late_head_grad.LateHeadGrad``). The kept rows' lse is known, so dW takes no statistics pass and no
+    host wait: the recomputing backward of a per-token loss, with the scalar's gradient spread over the rows and dX
+    not asked for. Past the budget it walks the vocabulary in chunks, each chunk's gradient ``[rows, C]`` giving dW's
+    rows of that chunk in one GEMM over every kept row, written once in the weight's dtype: no float32 ``[V, H]``
+    sum."""
 
     x: torch.Tensor
     weight: torch.Tensor
