@@ -249,6 +249,13 @@ def _vocab_chunks() -> bool:
     return os.environ.get("HF_FLCE_VOCAB_CHUNKS", "1") != "0"
 
 
+def _target_column_apart() -> bool:
+    """Whether a recomputing backward over vocabulary chunks takes each row's target column out of the 16-bit
+    gradient and adds it in float32 (``recompute_gradient(target_coef=)``); ``HF_FLCE_TARGET_APART=0`` keeps it in
+    (for A/B measurements)."""
+    return os.environ.get("HF_FLCE_TARGET_APART", "1") != "0"
+
+
 def _chunks(n: int, size: int):
     for start in range(0, n, size):
         yield start, min(start + size, n)
@@ -866,7 +873,7 @@ class SavedForWeightGrad:
     host wait: the recomputing backward of a per-token loss, with the scalar's gradient spread over the rows and dX
     not asked for. Past the budget it walks the vocabulary in chunks, each chunk's gradient ``[rows, C]`` giving dW's
     rows of that chunk in one GEMM over every kept row, written once in the weight's dtype: no float32 ``[V, H]``
-    sum."""
+    sum. Each row's target column is added to dW in float32 (``_recompute_by_columns``)."""
 
     x: torch.Tensor
     weight: torch.Tensor
@@ -986,11 +993,12 @@ def _recompute_grads(
     # Past the budget, row chunks sum dW in a [V, H] float32 accumulator, or take every row at once where that costs
     # less than the accumulator. Column chunks stay within the budget, with [rows, H] buffers (a float32 dX, and the
     # gathered rows of a compacted batch) and no pass over an accumulator. A forward that kept the leading columns
-    # (``_kept_columns``) chose them already.
+    # (``_kept_columns``) chose them already. dW alone (``SavedForWeightGrad``) always goes by columns: within the
+    # budget that is one chunk, the same GEMMs, with the target column added in float32.
     partly_kept = kept is not None and not isinstance(kept, torch.Tensor) and kept.e.shape[1] < weight.shape[0]
     by_columns = (
         kept is None
-        and over_budget
+        and (over_budget or not need_dx)
         and need_dw
         and _vocab_chunks()
         and _column_buffers_fit(plan, n_valid, x, w_c, weight, rows is not None, need_dw)
@@ -1063,7 +1071,11 @@ def _recompute_by_columns(
     rounded once, as one GEMM rounds it. A chunk's gradient comes from the epilogue of the GEMM that recomputes its
     logits (``fused``), or from the tile pass over its logits. ``kept`` (the forward's e for the leading columns,
     ``_kept_columns``) gives the first chunk's gradient by a pass over it, freed before the GEMMs recompute the
-    others."""
+    others. The recomputing epilogue writes 0 at each row's target column, and that column's float32 value (from a
+    float32 dot per row) is added to dW's target rows and to dX at the end: bf16 holds ``p_y - 1`` to 2^-9 only, which
+    loses ``p_y`` wherever it is smaller (stock's gradient does). dW is then rounded once at its other rows, and its
+    target rows, whose 16-bit part holds the other rows' small terms only, get the float32 term before a second
+    rounding."""
     need_dx, need_dw, need_db = needs
     n_valid = ys.shape[0]
     vocab = w_c.shape[0]
@@ -1078,6 +1090,8 @@ def _recompute_by_columns(
     dx_acc = None
     dw = torch.empty(w_c.shape, dtype=weight_dtype, device=w_c.device) if need_dw else None
     db = torch.empty(vocab, dtype=torch.float32, device=w_c.device) if need_db else None
+    # each kept row's target column apart, in float32 (db would need it too: not with a bias)
+    target_apart = fused is not None and bias is None and x_kept.dtype.itemsize == 2 and _target_column_apart()
 
     def add(start: int, end: int, grad: torch.Tensor) -> None:
         nonlocal dx_acc
@@ -1096,7 +1110,16 @@ def _recompute_by_columns(
         w_cols, b_cols = w_c[start:end], None if bias is None else bias[start:end]
         if fused is not None:
             return fused.recompute_gradient(
-                x_kept, w_cols, b_cols, ys, lse_v, ent_v, plan.params, *upstream, first_column=start
+                x_kept,
+                w_cols,
+                b_cols,
+                ys,
+                lse_v,
+                ent_v,
+                plan.params,
+                *upstream,
+                first_column=start,
+                target_apart=target_apart,
             )
         logits = compute_logits(x_kept, w_cols, b_cols, logits_16bit)
         grad = _grad_buffer(logits, x_kept.dtype, plan.tiles)
@@ -1118,5 +1141,12 @@ def _recompute_by_columns(
         grad = recompute(start, end)
         add(start, end, grad)
         del grad
+    if target_apart:
+        # 0 at ignored rows and where the target is among the kept leading columns, whose gradient carries it
+        target_column = fused.target_gradient(x_kept, w_c, ys, lse_v, ent_v, plan.params, *upstream, first_column=first)
+        if dw is not None:
+            fused.add_target_rows(dw, x_kept, None, ys, target_column, plan.params.ignore_index)
+        if dx_acc is not None:
+            dx_acc.addcmul_(w_c.index_select(0, ys.clamp(0, vocab - 1)), target_column[:, None])
     dx = None if dx_acc is None else _scatter_rows(dx_acc.to(x.dtype), rows, x.shape[0])
     return dx, dw, db

@@ -456,16 +456,22 @@ def _saved_for_weight_grad_vs_reference(x, w, y, b, kw, backend="torch", dtype=t
     ],
     ids=["plain", "options", "class_weight", "dft"],
 )
-@pytest.mark.parametrize("budget, by_columns", [(None, False), (6000, True)], ids=["one_chunk", "chunked"])
-def test_weight_grad_saved_for_later(kw, budget, by_columns):
+@pytest.mark.parametrize("budget, chunks", [(None, 1), (6000, 2)], ids=["one_chunk", "chunked"])
+def test_weight_grad_saved_for_later(kw, budget, chunks):
     """``save_for_weight_grad``: dX and db come with the loss, dW later from the saved lse, each as the float64
-    reference's. Past the budget, dW is recomputed by vocabulary chunks; within it, in one row chunk."""
+    reference's. dW is recomputed by vocabulary chunks: one within the budget, several past it."""
     x, w, y, b = _problem(bias=kw.get("bias", False))
     kw = {k: torch.rand(131) + 0.5 if v == "random" else v for k, v in kw.items() if k != "bias"}
-    real = engine._recompute_by_columns
-    with mock.patch.object(engine, "_recompute_by_columns", side_effect=real) as columns:
+    planned = []
+
+    def plan(n_rows, vocab, *args):
+        planned.append(-(-vocab // engine_plan(n_rows, vocab, *args)))
+        return engine_plan(n_rows, vocab, *args)
+
+    engine_plan = engine.plan_chunk_columns
+    with mock.patch.object(engine, "plan_chunk_columns", plan):
         grads, ref_grads = _saved_for_weight_grad_vs_reference(x, w, y, b, {**kw, "memory_budget": budget})
-    assert columns.called == by_columns
+    assert planned == [chunks]
     for g, r, name in zip(grads, ref_grads, ("hidden", "weight", "bias")):
         assert g.dtype == torch.float32
         torch.testing.assert_close(g.double(), r, rtol=1e-4, atol=1e-5, msg=f"grad {name}")

@@ -214,6 +214,62 @@ def _row_coefs(
 
 
 @triton.jit
+def _grad_of_t(
+    t,
+    dt,
+    is_y,
+    rows,
+    valid,
+    lse_ptr,
+    entropy_ptr,
+    gl_ptr,
+    stride_gl,
+    glp_ptr,
+    stride_glp,
+    ge_ptr,
+    stride_ge,
+    smoothing,
+    smooth_over_v,
+    z_loss,
+    HAS_GL: tl.constexpr,
+    HAS_GLP: tl.constexpr,
+    HAS_GE: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    HAS_ZLOSS: tl.constexpr,
+    HAS_DT: tl.constexpr,
+):
+    """The logits gradient at the transformed logits ``t`` (``[rows, columns]``, ``is_y`` marking each row's target
+    column, ``dt`` = dt/dz beside them where ``HAS_DT``) of rows whose lse is known: ``MODE_GRAD``'s epilogue, and
+    the target column alone (``target_gradient``)."""
+    lse, p_coef, onehot_coef, smooth_coef, g_entropy = _row_coefs(
+        rows,
+        valid,
+        lse_ptr,
+        entropy_ptr,
+        gl_ptr,
+        stride_gl,
+        glp_ptr,
+        stride_glp,
+        ge_ptr,
+        stride_ge,
+        smoothing,
+        smooth_over_v,
+        z_loss,
+        HAS_GL,
+        HAS_GLP,
+        HAS_GE,
+        HAS_SMOOTHING,
+        HAS_ZLOSS,
+    )
+    # ignored rows: exp(-inf) = 0, so nothing overflows against their placeholder lse
+    p = fast_exp(tl.where(valid[:, None], t - lse[:, None], float("-inf")))
+    g = logit_grad(p, t, is_y, p_coef, onehot_coef, g_entropy, HAS_GE) - smooth_coef
+    if HAS_DT:
+        g *= dt
+    return g
+
+
+@triton.jit
 def _scaled_half(
     z,
     m,
@@ -310,13 +366,15 @@ def _head_gemm_kernel(
     FIXED_REF: tl.constexpr,
     SPLIT: tl.constexpr,
     PARTIAL_OUT: tl.constexpr,
+    TARGET_APART: tl.constexpr,
 ):
     """[BM, BN] tiles of the transformed logits t of x W^T + b, each reduced in the epilogue (see the module docstring).
     Persistent: each program takes every ``num_programs``-th tile of the full column blocks, then of the ragged last
     one (if V % BN), the only tiles that mask columns. ``ROWS_ON_DEVICE``: only the first ``*rows_ptr`` of the N rows
     (all N if that count is larger: a first chunk) are computed, a count the host never reads; N stays the stride
     of the partials. ``PARTIAL_OUT`` (MODE 1): ``e`` is stored for the first ``out_cols`` columns only (a multiple of
-    BN; ``out`` is ``[N, out_cols]``), the kept part of a per-token loss whose logits pass the budget."""
+    BN; ``out`` is ``[N, out_cols]``), the kept part of a per-token loss whose logits pass the budget.
+    ``TARGET_APART`` (MODE 2): 0 at each row's target column (``target_gradient`` gives it in float32)."""
     # the hardware's tanh for 16-bit operands; float32 ones (tests) get the float32-exact form
     FAST_TANH: tl.constexpr = HW_TANH and x_ptr.dtype.element_ty != tl.float32
     M = N
@@ -409,7 +467,12 @@ def _head_gemm_kernel(
             if MODE == 2:
                 y = tl.load(y_ptr + rows, mask=row_ok, other=ignore_index)
                 valid = row_ok & (y != ignore_index)
-                lse, p_coef, onehot_coef, smooth_coef, g_entropy = _row_coefs(
+                # ``col_offset``: W holds the head's rows from there (a vocabulary chunk), so y is shifted into it
+                is_y = cols[None, :] == tl.where(valid, y - col_offset, -1)[:, None]
+                g = _grad_of_t(
+                    t,
+                    dt,
+                    is_y,
                     rows,
                     valid,
                     lse_ptr,
@@ -428,14 +491,12 @@ def _head_gemm_kernel(
                     HAS_GE,
                     HAS_SMOOTHING,
                     HAS_ZLOSS,
+                    HAS_SOFTCAP or HAS_TEMPERATURE,
                 )
-                # ignored rows: exp(-inf) = 0, so nothing overflows against their placeholder lse
-                p = fast_exp(tl.where(valid[:, None], t - lse[:, None], float("-inf")))
-                # ``col_offset``: W holds the head's rows from there (a vocabulary chunk), so y is shifted into it
-                is_y = cols[None, :] == tl.where(valid, y - col_offset, -1)[:, None]
-                g = logit_grad(p, t, is_y, p_coef, onehot_coef, g_entropy, HAS_GE) - smooth_coef
-                if HAS_SOFTCAP or HAS_TEMPERATURE:
-                    g *= dt
+                if TARGET_APART:
+                    # bf16 keeps p_y - 1 to 2^-9 only, which loses p_y below that (most rows of a flat distribution):
+                    # the caller adds this column in float32 (target_gradient)
+                    g = tl.where(is_y, 0.0, g)
                 if TMA_OUT:
                     out_desc.store([pid_m * BM, pid_n * BN], g.to(out_ptr.dtype.element_ty))
                 else:
@@ -472,7 +533,7 @@ def _head_gemm_kernel(
                     )
                 tl.store(part_ptr + pid_n * N + rows + stat_stride, sum_e, mask=row_ok)
             else:
-                # Only the statistics asked for are computed; the target logit comes from _target_logit_kernel.
+                # Only the statistics asked for are computed; the target logit comes from _target_kernel.
                 part = part_ptr + pid_n * N + rows
                 if FIXED_REF:
                     # One reference per row fixed before the GEMM, m = t_y + ref_offset (+inf at ignored rows: e = 0
@@ -591,33 +652,52 @@ def read_later(summary: torch.Tensor) -> Callable[[], list[int]]:
 
 
 @triton.jit
-def _target_logit_kernel(
+def _target_kernel(
     x_ptr,
     stride_xn,
     w_ptr,
     stride_wv,
     bias_ptr,
     y_ptr,
-    ty_ptr,
+    out_ptr,
+    lse_ptr,
+    entropy_ptr,
+    gl_ptr,
+    stride_gl,
+    glp_ptr,
+    stride_glp,
+    ge_ptr,
+    stride_ge,
     N,
     K,
     ignore_index,
+    first_column,
     inv_softcap,
     t_scale,
     inv_temperature,
+    smoothing,
+    smooth_over_v,
+    z_loss,
+    GRAD: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_TEMPERATURE: tl.constexpr,
+    HAS_GL: tl.constexpr,
+    HAS_GLP: tl.constexpr,
+    HAS_GE: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    HAS_ZLOSS: tl.constexpr,
     BR: tl.constexpr,
     BK: tl.constexpr,
 ):
-    """The target logit ``t_y = transform(x_n . w_y + b_y)`` of BR rows as a float32 dot (+inf at ignored rows): the
-    GEMM's epilogue would pay a compare and a select on every logit for one value per row."""
+    """Each of BR rows' target column from a float32 dot ``x_n . w_y`` (the GEMM's epilogue would pay a compare and a
+    select on every logit for one value per row): its transformed logit ``t_y`` (+inf at ignored rows), or with
+    ``GRAD`` its logits gradient, with the rows' lse known (0 at ignored rows and where ``y < first_column``)."""
     FAST_TANH: tl.constexpr = HW_TANH and x_ptr.dtype.element_ty != tl.float32  # as the GEMM's epilogue
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     row_ok = rows < N
     y = tl.load(y_ptr + rows, mask=row_ok, other=ignore_index)
-    valid = row_ok & (y != ignore_index)
+    valid = row_ok & (y != ignore_index) & (y >= first_column)
     y_row = tl.where(valid, y, 0).to(tl.int64)
     ks = tl.arange(0, BK)
     acc = tl.zeros((BR, BK), tl.float32)
@@ -629,8 +709,39 @@ def _target_logit_kernel(
     z = tl.sum(acc, 1)
     if HAS_BIAS:
         z += tl.load(bias_ptr + y_row, mask=valid, other=0.0).to(tl.float32)
-    t, _ = _transform(z, inv_softcap, t_scale, inv_temperature, HAS_SOFTCAP, HAS_TEMPERATURE, FAST_TANH)
-    tl.store(ty_ptr + rows, tl.where(valid, t, float("inf")), mask=row_ok)
+    t, dt = _transform(z, inv_softcap, t_scale, inv_temperature, HAS_SOFTCAP, HAS_TEMPERATURE, FAST_TANH)
+    if GRAD:
+        # a [BR, 1] tile whose one column is each row's target
+        g = _grad_of_t(
+            t[:, None],
+            dt,
+            valid[:, None],
+            rows,
+            valid,
+            lse_ptr,
+            entropy_ptr,
+            gl_ptr,
+            stride_gl,
+            glp_ptr,
+            stride_glp,
+            ge_ptr,
+            stride_ge,
+            smoothing,
+            smooth_over_v,
+            z_loss,
+            HAS_GL,
+            HAS_GLP,
+            HAS_GE,
+            HAS_SMOOTHING,
+            HAS_ZLOSS,
+            False,
+        )
+        g = tl.sum(g, 1)
+        if HAS_SOFTCAP or HAS_TEMPERATURE:
+            g *= dt
+        tl.store(out_ptr + rows, tl.where(valid, g, 0.0), mask=row_ok)
+    else:
+        tl.store(out_ptr + rows, tl.where(valid, t, float("inf")), mask=row_ok)
 
 
 @triton.jit
@@ -1021,10 +1132,12 @@ def _gemm(
     fixed_ref=False,
     first_column=0,
     out_columns=None,
+    target_apart=False,
 ):
     """``weight`` (and ``bias``) may hold the head's rows from ``first_column`` on (MODE_GRAD only): the output's
     columns are theirs, while the statistics' constants still come from the whole vocabulary (``params.vocab``).
-    ``out_columns`` (MODE_KEEP, a multiple of every configuration's BN): ``out`` holds e's first columns only."""
+    ``out_columns`` (MODE_KEEP, a multiple of every configuration's BN): ``out`` holds e's first columns only.
+    ``target_apart`` (MODE_GRAD): the gradient has 0 at each row's target column."""
     n, k = x.shape
     columns = weight.shape[0]
     partial_out = out_columns is not None and out_columns < columns
@@ -1083,6 +1196,7 @@ def _gemm(
         FIXED_REF=fixed_ref,
         SPLIT=split,
         PARTIAL_OUT=partial_out,
+        TARGET_APART=target_apart,
     )
     tuned_key = (
         columns,
@@ -1091,6 +1205,7 @@ def _gemm(
         use_tma,
         fixed_ref,
         partial_out,
+        target_apart,
         tuple(a.dtype for a in args if isinstance(a, torch.Tensor)),
     )
     return _launch_tuned(grid, args, flags, tuned_key)
@@ -1115,29 +1230,67 @@ def _launch_tuned(grid, args, flags, key) -> triton.Config:
     return config
 
 
-def _target_logits(x, weight, bias, target, params, t_y):
+def _launch_target_kernel(x, weight, bias, target, params, out, grad=None, first_column=0):
+    """``_target_kernel``: ``t_y`` into ``out``, or with ``grad = (lse, entropy, upstream)`` the target column's
+    gradient."""
     br = 16
+    lse, entropy, upstream = grad if grad is not None else (out, out, (None, None, None))
     launch(
-        _target_logit_kernel,
+        _target_kernel,
         (triton.cdiv(x.shape[0], br),),
         x,
         x.stride(0),
         weight,
         weight.stride(0),
-        t_y if bias is None else bias,
+        out if bias is None else bias,
         target,
-        t_y,
+        out,
+        lse,
+        entropy,
+        *_vectors(upstream, out),
         x.shape[0],
         x.shape[1],
         params.ignore_index,
+        first_column,
         *transform_args(params),
+        params.label_smoothing,
+        params.label_smoothing / params.vocab,
+        params.z_loss,
+        GRAD=grad is not None,
         HAS_BIAS=bias is not None,
-        HAS_SOFTCAP=params.softcap is not None,
-        HAS_TEMPERATURE=params.inv_temperature != 1.0,
+        **_option_flags(params, upstream),
         BR=br,
         BK=128,
         num_warps=4,
     )
+
+
+def _target_logits(x, weight, bias, target, params, t_y):
+    _launch_target_kernel(x, weight, bias, target, params, t_y)
+
+
+def target_gradient(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    lse: torch.Tensor,
+    entropy: torch.Tensor,
+    params: TileParams,
+    grad_loss: torch.Tensor | None = None,
+    grad_logprob: torch.Tensor | None = None,
+    grad_entropy: torch.Tensor | None = None,
+    first_column: int = 0,
+) -> torch.Tensor:
+    """Each row's logits gradient at its target column, float32 ``[rows]``: the entries that ``recompute_gradient(...,
+    target_apart=True)`` writes as 0 (no bias). 0 at ignored rows and at rows whose target lies below
+    ``first_column`` (the leading columns a forward kept, whose gradient carries them)."""
+    n = x.shape[0]
+    out = torch.empty(n, dtype=torch.float32, device=x.device)
+    if n:
+        with TritonTileOps._device_guard(x.device):
+            upstream = (grad_loss, grad_logprob, grad_entropy)
+            _launch_target_kernel(x, weight, None, target, params, out, (lse, entropy, upstream), first_column)
+    return out
 
 
 def forward(
@@ -1332,10 +1485,12 @@ def recompute_gradient(
     grad_logprob: torch.Tensor | None = None,
     grad_entropy: torch.Tensor | None = None,
     first_column: int = 0,
+    target_apart: bool = False,
 ) -> torch.Tensor:
     """The logits gradient in ``x``'s dtype straight from the GEMM's epilogue (lse known): ``[rows, V]``, or with
     ``weight`` (and ``bias``) the head's rows ``first_column:first_column + C`` (a vocabulary chunk), those ``C``
-    columns of it."""
+    columns of it. ``target_apart``: each row's target column is written as 0, for ``target_gradient`` to give in
+    float32."""
     n = x.shape[0]
     check_columns(first_column, weight.shape[0], params.vocab)
     out = torch.empty(n, weight.shape[0], dtype=x.dtype, device=x.device)
@@ -1355,5 +1510,11 @@ def recompute_gradient(
                 entropy,
                 (grad_loss, grad_logprob, grad_entropy),
                 first_column=first_column,
+                target_apart=target_apart,
             )
     return out
+
+
+# ``dW[y_i] += c_i x_i`` in float32 (``c = target_gradient(...)``), each dW row it reaches rounded once more:
+# ``triton_scaled``'s sorted, atomic-free sum
+add_target_rows = triton_scaled.ScaledGradient.add_target_rows

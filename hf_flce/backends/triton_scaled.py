@@ -224,8 +224,8 @@ def _add_segments(value, start, other_value, other_start):
 @triton.jit
 def _target_terms(order_ptr, pos, ok, c_ptr, x_ptr, stride_xn, x_rows_ptr, cols, col_ok, HAS_ROWS: tl.constexpr):
     """``c_i x_i`` (float32 ``[positions, cols]``) of the kept rows at sorted positions ``pos``, 0 where not ``ok``.
-    Kept row ``i`` is row ``x_rows[i]`` of ``x`` (a compacted batch) or row ``i``; it is rounded to bf16 first, as the
-    dW GEMM's operand was."""
+    Kept row ``i`` is row ``x_rows[i]`` of ``x`` (a compacted batch) or row ``i``; a float32 ``x`` is rounded to bf16
+    first, as the dW GEMM's operand was (a 16-bit one is that operand)."""
     row = tl.load(order_ptr + pos, mask=ok, other=0)
     c = tl.load(c_ptr + row, mask=ok, other=0.0)
     if HAS_ROWS:
@@ -233,7 +233,9 @@ def _target_terms(order_ptr, pos, ok, c_ptr, x_ptr, stride_xn, x_rows_ptr, cols,
     x = tl.load(
         x_ptr + row.to(tl.int64)[:, None] * stride_xn + cols[None, :], mask=ok[:, None] & col_ok[None, :], other=0.0
     )
-    return c[:, None] * x.to(tl.bfloat16).to(tl.float32)
+    if x_ptr.dtype.element_ty == tl.float32:
+        x = x.to(tl.bfloat16)
+    return c[:, None] * x.to(tl.float32)
 
 
 @triton.jit

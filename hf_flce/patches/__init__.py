@@ -61,8 +61,9 @@ def apply_flce(model: M | None = None, **options: Unpack[PatchKwargs]) -> M | No
             labels; ``False`` never. A ``skip_logits=`` keyword of one forward call overrides it.
         defer_head_grad: compute ``lm_head``'s weight gradient at the end of the backward, after the layers' (default
             ``False``). The step's peak, at the end of the forward, then holds no ``[V, H]`` dW buffer (below a
-            peer that sums dW in bf16, with dW rounded as stock's), for one more logits GEMM from the forward's saved
-            lse (1-4% of the H200 SFT steps of ``scripts/benchmark_training.py``, ``docs/PERF_NOTES.md`` v30). Needs
+            peer that sums dW in bf16; dW still gets the target column in float32), for one more logits GEMM from
+            the forward's saved lse (1-4% of the H200 SFT steps of ``scripts/benchmark_training.py``,
+            ``docs/PERF_NOTES.md`` v30, v31). Needs
             the weight whole on this device from the forward to the end of the backward: one GPU, DDP, or FSDP2 with
             ``lm_head`` in the root unit. Where FSDP2 shards ``lm_head`` as its own unit, and under FSDP1, DeepSpeed
             ZeRO-3 or accelerate's offload, the forward raises a ValueError.

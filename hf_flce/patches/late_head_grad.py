@@ -21,8 +21,8 @@ class LateHeadGrad:
     their activations are gone. It then recomputes the logits from the hidden states and each row's lse, both saved
     by the forward, and returns dW: one more logits GEMM, with no statistics pass and no host wait. Past the memory
     budget it walks the vocabulary in chunks, each chunk's dW rows one GEMM over every row, with no float32
-    ``[V, H]`` sum. The forward's moment then holds dX and a chunk no larger than the gradient it defers, and dW is
-    rounded as stock's (its bf16 gradient carries the target column). It needs the weight whole on this device from
+    ``[V, H]`` sum; each row's target column is added in float32, as the default path adds it. The forward's moment
+    then holds dX and a chunk no larger than the gradient it defers. It needs the weight whole on this device from
     the forward to the end of the backward: one GPU, DDP (where the head's gradient is then ready last, so its
     all-reduce does not overlap the backward), or FSDP2 with the head in the root unit (unsharded until the end of
     the backward)."""
