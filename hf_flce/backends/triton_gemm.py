@@ -33,7 +33,8 @@ there it uses ``t_y``, kept from the forward (a float32 dot of the row with the 
 GEMM). Where ``e_j`` underflowed to 0, ``t_j`` is lost, but every term left there carries ``p_j < 2**-24`` and
 vanishes, except label smoothing's ``-smooth_coef * dt_j``: softcap with label smoothing keeps the tile path. When the
 lse is already known (a per-token backward that recomputes the logits), the epilogue writes ``g`` itself, with the
-exact ``dt``; where e passes the keep limit, the forward keeps it for as many leading columns as fit
+exact ``dt`` (by vocabulary chunks and without a bias, 0 at each row's target column, which ``target_gradient``
+gives in float32: bf16 would round ``p_y - 1`` to 2^-9); where e passes the keep limit, the forward keeps it for as many leading columns as fit
 (``keep_columns``), so backward recomputes only the others. Class weights are not handled here: the engine keeps the
 tile path for them.
 
@@ -736,6 +737,7 @@ def _target_kernel(
             HAS_ZLOSS,
             False,
         )
+        # dt/dz after the tile is a row again (dt is [BR], or a scalar with a temperature alone)
         g = tl.sum(g, 1)
         if HAS_SOFTCAP or HAS_TEMPERATURE:
             g *= dt
