@@ -1141,12 +1141,16 @@ def _recompute_by_columns(
         grad = recompute(start, end)
         add(start, end, grad)
         del grad
+    dx = None
     if target_apart:
         # 0 at ignored rows and where the target is among the kept leading columns, whose gradient carries it
         target_column = fused.target_gradient(x_kept, w_c, ys, lse_v, ent_v, plan.params, *upstream, first_column=first)
         if dw is not None:
             fused.add_target_rows(dw, x_kept, None, ys, target_column, plan.params.ignore_index)
         if dx_acc is not None:
-            dx_acc.addcmul_(w_c.index_select(0, ys.clamp(0, vocab - 1)), target_column[:, None])
-    dx = None if dx_acc is None else _scatter_rows(dx_acc.to(x.dtype), rows, x.shape[0])
+            # added in the pass that casts the float32 sum and scatters it to the kept rows
+            dx = (torch.empty if rows is None else torch.zeros)(x.shape, dtype=x.dtype, device=x.device)
+            fused.write_dx(dx_acc, w_c, ys, target_column, dx, rows)
+    if dx is None and dx_acc is not None:
+        dx = _scatter_rows(dx_acc.to(x.dtype), rows, x.shape[0])
     return dx, dw, db

@@ -1520,3 +1520,16 @@ def recompute_gradient(
 # ``dW[y_i] += c_i x_i`` in float32 (``c = target_gradient(...)``), each dW row it reaches rounded once more:
 # ``triton_scaled``'s sorted, atomic-free sum
 add_target_rows = triton_scaled.ScaledGradient.add_target_rows
+
+
+def write_dx(
+    dx_sum: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    target_coef: torch.Tensor,
+    dx: torch.Tensor,
+    dst_rows: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``dx[dst_i] = dx_sum_i + c_i W[y_i]``: a float32 sum over vocabulary chunks with its target column
+    (``c = target_gradient(...)``) added, in ``dx``'s dtype, at ``dst_rows`` (a compacted batch's rows) or in order."""
+    return triton_scaled.scale_rows(dx_sum, dx, None, target_coef, target, weight, dst_rows)

@@ -185,20 +185,22 @@ def _scaled_rows_kernel(
     n,
     H,
     row0,
+    HAS_SCALE: tl.constexpr,
     HAS_TARGET: tl.constexpr,
     HAS_ROWS: tl.constexpr,
     BR: tl.constexpr,
     BH: tl.constexpr,
 ):
-    """``out[dst_i] = s_i src_i (+ c_i W[y_i])`` in float32, stored in ``out``'s dtype; ``dst_i`` is
-    ``dst_rows[i]`` (a compacted batch's rows, scattered into the full dX) or ``row0 + i``."""
+    """``out[dst_i] = s_i src_i (+ c_i W[y_i])`` in float32 (``s_i = 1`` without ``HAS_SCALE``), stored in ``out``'s
+    dtype; ``dst_i`` is ``dst_rows[i]`` (a compacted batch's rows, scattered into the full dX) or ``row0 + i``."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.program_id(1) * BH + tl.arange(0, BH)
     row_ok = rows < n
     mask = row_ok[:, None] & (cols < H)[None, :]
-    s = tl.load(s_ptr + rows, mask=row_ok, other=0.0)
     src = tl.load(src_ptr + rows.to(tl.int64)[:, None] * stride_src + cols[None, :], mask=mask, other=0.0)
-    value = src.to(tl.float32) * s[:, None]
+    value = src.to(tl.float32)
+    if HAS_SCALE:
+        value *= tl.load(s_ptr + rows, mask=row_ok, other=0.0)[:, None]
     if HAS_TARGET:
         c = tl.load(c_ptr + rows, mask=row_ok, other=0.0)
         y = tl.load(y_ptr + rows, mask=row_ok, other=0)
@@ -308,6 +310,49 @@ def _target_rows_kernel(
     tl.store(dw_rows, value.to(dw_ptr.dtype.element_ty), mask=mask)
 
 
+def scale_rows(
+    src: torch.Tensor,
+    out: torch.Tensor,
+    row_scale: torch.Tensor | None,
+    target_coef: torch.Tensor | None = None,
+    target: torch.Tensor | None = None,
+    weight: torch.Tensor | None = None,
+    dst_rows: torch.Tensor | None = None,
+    row0: int = 0,
+) -> torch.Tensor:
+    """``out[dst_i] = s_i src_i`` (``s = row_scale``, or 1 where None), plus ``c_i W[y_i]`` with ``weight``
+    (``c = target_coef``, 0 at ignored rows), in float32 and stored in ``out``'s dtype: ``_scaled_rows_kernel``."""
+    n, h = src.shape
+    if n == 0:
+        return out
+    br, bh = 16, min(256, triton.next_power_of_2(h))
+    with TritonTileOps._device_guard(src.device):
+        launch(
+            _scaled_rows_kernel,
+            (triton.cdiv(n, br), triton.cdiv(h, bh)),
+            src,
+            src.stride(0),
+            src if row_scale is None else row_scale,
+            src if target_coef is None else target_coef,
+            src if target is None else target,
+            src if weight is None else weight,
+            0 if weight is None else weight.stride(0),
+            src if dst_rows is None else dst_rows,
+            out,
+            out.stride(0),
+            n,
+            h,
+            row0,
+            HAS_SCALE=row_scale is not None,
+            HAS_TARGET=weight is not None,
+            HAS_ROWS=dst_rows is not None,
+            BR=br,
+            BH=bh,
+            num_warps=4,
+        )
+    return out
+
+
 @dataclass
 class ScaledGradient:
     """A chunk's logits gradient ``G = diag(s) E`` plus the target column ``c`` (module docstring). ``row_scale`` and
@@ -331,34 +376,7 @@ class ScaledGradient:
         )
 
     def _rows(self, src, out, weight=None, dst_rows=None, row0=0):
-        n, h = src.shape
-        if n == 0:
-            return out
-        br, bh = 16, min(256, triton.next_power_of_2(h))
-        with TritonTileOps._device_guard(src.device):
-            launch(
-                _scaled_rows_kernel,
-                (triton.cdiv(n, br), triton.cdiv(h, bh)),
-                src,
-                src.stride(0),
-                self.row_scale,
-                self.target_coef,
-                self.target,
-                src if weight is None else weight,
-                0 if weight is None else weight.stride(0),
-                src if dst_rows is None else dst_rows,
-                out,
-                out.stride(0),
-                n,
-                h,
-                row0,
-                HAS_TARGET=weight is not None,
-                HAS_ROWS=dst_rows is not None,
-                BR=br,
-                BH=bh,
-                num_warps=4,
-            )
-        return out
+        return scale_rows(src, out, self.row_scale, self.target_coef, self.target, weight, dst_rows, row0)
 
     def write_dx(
         self, ew: torch.Tensor, weight: torch.Tensor, dx: torch.Tensor, dst_rows: torch.Tensor | None, row0: int
