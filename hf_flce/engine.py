@@ -251,8 +251,8 @@ def _vocab_chunks() -> bool:
 
 def _target_column_apart() -> bool:
     """Whether a recomputing backward over vocabulary chunks takes each row's target column out of the 16-bit
-    gradient and adds it in float32 (``recompute_gradient(target_coef=)``); ``HF_FLCE_TARGET_APART=0`` keeps it in
-    (for A/B measurements)."""
+    gradient and adds it in float32 (``recompute_gradient(target_apart=)``, ``target_gradient``);
+    ``HF_FLCE_TARGET_APART=0`` keeps it in (for A/B measurements)."""
     return os.environ.get("HF_FLCE_TARGET_APART", "1") != "0"
 
 
@@ -1071,11 +1071,11 @@ def _recompute_by_columns(
     rounded once, as one GEMM rounds it. A chunk's gradient comes from the epilogue of the GEMM that recomputes its
     logits (``fused``), or from the tile pass over its logits. ``kept`` (the forward's e for the leading columns,
     ``_kept_columns``) gives the first chunk's gradient by a pass over it, freed before the GEMMs recompute the
-    others. The recomputing epilogue writes 0 at each row's target column, and that column's float32 value (from a
-    float32 dot per row) is added to dW's target rows and to dX at the end: bf16 holds ``p_y - 1`` to 2^-9 only, which
-    loses ``p_y`` wherever it is smaller (stock's gradient does). dW is then rounded once at its other rows, and its
-    target rows, whose 16-bit part holds the other rows' small terms only, get the float32 term before a second
-    rounding."""
+    others. The recomputing epilogue (16-bit, without a bias) writes 0 at each row's target column, and that column's
+    float32 value (from a float32 dot per row) is added to dW's target rows and to dX at the end: bf16 holds
+    ``p_y - 1`` to 2^-9 only, which loses ``p_y`` wherever it is smaller (stock's gradient does). dW is then rounded
+    once at its other rows, and its target rows, whose 16-bit part holds the other rows' small terms only, get the
+    float32 term before a second rounding."""
     need_dx, need_dw, need_db = needs
     n_valid = ys.shape[0]
     vocab = w_c.shape[0]
