@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 FUNCTIONS = {
     "api.py": {"fused_linear_cross_entropy"},
     "engine.py": {"_forward", "_statistics_without_sync", "kept_rows", "_chunk_forward", "_plan_rows", "_outputs"},
-    "backends/triton_gemm.py": {"forward", "_gemm", "_launch_tuned", "kept_order", "_target_logits"},
+    "backends/triton_gemm.py": {"forward", "_gemm", "_launch_tuned", "kept_order", "_launch_target_kernel"},
     "backends/triton_launch.py": {"launch"},
     "backends/triton_scaled.py": {"row_scales"},
 }

@@ -1267,10 +1267,6 @@ def _launch_target_kernel(x, weight, bias, target, params, out, grad=None, first
     )
 
 
-def _target_logits(x, weight, bias, target, params, t_y):
-    _launch_target_kernel(x, weight, bias, target, params, t_y)
-
-
 def target_gradient(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -1339,7 +1335,7 @@ def forward(
     if scaled:
         # the GEMM's row references m = t_y + REF_OFFSET come first
         t_y = torch.empty(n, **f32)
-        _target_logits(x, weight, bias, target, params, t_y)
+        _launch_target_kernel(x, weight, bias, target, params, t_y)
     if scaled:
         e = torch.empty(n, vocab, dtype=x.dtype, device=dev)
     elif keep:
@@ -1369,7 +1365,7 @@ def forward(
         stats = TileStats.empty(n, dev)
         if t_y is None:
             t_y = torch.empty(n, **f32)
-            _target_logits(x, weight, bias, target, params, t_y)
+            _launch_target_kernel(x, weight, bias, target, params, t_y)
         n_tiles = triton.cdiv(vocab, tile_n)
         br = 32
         launch(
