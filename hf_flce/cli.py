@@ -1,14 +1,16 @@
 """``hf-flce sft`` and ``hf-flce dpo``: ``trl sft`` and ``trl dpo`` with hf_flce's trainers.
 
-The arguments are exactly TRL's: the parser is TRL's own (``ScriptArguments``, ``SFTConfig``/``DPOConfig``,
-``ModelConfig``, ``DatasetMixtureConfig``, ``--config`` YAML files), and bad arguments get TRL's errors. Like
-``trl``, the ``hf-flce`` command launches the training through ``accelerate launch`` (arguments that TRL's parser
-does not know, such as ``--num_processes`` or ``--accelerate_config``, go to accelerate). Each launched process runs
-``python -m hf_flce.cli``, which trains in-process; so does ``accelerate launch -m hf_flce.cli sft ...``.
-``HF_FLCE_DEFER_HEAD_GRAD=1`` gives the SFT trainer ``flce_defer_head_grad=True`` (TRL's parser has no place for it).
+The arguments are TRL's: the parser is TRL's own (``ScriptArguments``, ``SFTConfig``/``DPOConfig``,
+``ModelConfig``, ``DatasetMixtureConfig``, ``--config`` YAML files), and bad arguments get TRL's errors, plus
+:class:`FLCEArguments`, the trainers' own options (``--flce_backend``, ``--flce_memory_budget``,
+``--flce_defer_head_grad``; also keys of the YAML file). Like ``trl``, the ``hf-flce`` command launches the training
+through ``accelerate launch`` (arguments that the parser does not know, such as ``--num_processes`` or
+``--accelerate_config``, go to accelerate). Each launched process runs ``python -m hf_flce.cli``, which trains
+in-process; so does ``accelerate launch -m hf_flce.cli sft ...``.
 
 Example:
     hf-flce sft --model_name_or_path Qwen/Qwen2.5-0.5B --dataset_name trl-lib/Capybara --output_dir out
+    hf-flce sft ... --flce_defer_head_grad --flce_memory_budget 536870912
     accelerate launch --num_processes 2 -m hf_flce.cli dpo --model_name_or_path ... --dataset_name ...
 """
 
@@ -16,19 +18,50 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass, field, fields
+from typing import Literal
+
+from .options import BACKENDS
 
 COMMANDS = ("sft", "dpo")
-# ``HF_FLCE_DEFER_HEAD_GRAD=1 hf-flce sft ...``: ``FLCESFTTrainer(flce_defer_head_grad=True)``
+# ``HF_FLCE_DEFER_HEAD_GRAD=1 hf-flce sft ...``: as ``--flce_defer_head_grad``
 DEFER_HEAD_GRAD_ENV = "HF_FLCE_DEFER_HEAD_GRAD"
 
 
+@dataclass
+class FLCEArguments:
+    """The options of hf_flce's trainers that TRL's dataclasses have no place for, as command-line arguments and
+    ``--config`` YAML keys. Each is the trainer's keyword of the same name (:class:`~hf_flce.FLCESFTTrainer`)."""
+
+    flce_backend: Literal[BACKENDS] = field(
+        default="auto", metadata={"help": "Kernels of the fused head: auto picks by device (triton on CUDA)."}
+    )
+    flce_memory_budget: int | None = field(
+        default=None,
+        metadata={"help": "Bytes of logits-sized buffers alive at once in the head (default: half the op's)."},
+    )
+    flce_defer_head_grad: bool = field(
+        default=False,
+        metadata={
+            "help": f"SFT only: lm_head's weight gradient at the end of the backward (a lower peak for one more "
+            f"GEMM). {DEFER_HEAD_GRAD_ENV}=1 sets it too."
+        },
+    )
+
+    def changed(self) -> dict:
+        """The options set to something other than their default."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != f.default}
+
+
 def make_parser(command: str, prog: str | None = None):
-    """TRL's own parser for ``trl <command>`` (same dataclasses, same options)."""
+    """TRL's own parser for ``trl <command>`` (same dataclasses, same options), with :class:`FLCEArguments` last."""
     import trl.scripts.dpo
     import trl.scripts.sft
+    from trl import TrlParser
 
     module = {"sft": trl.scripts.sft, "dpo": trl.scripts.dpo}[command]
-    return module.make_parser(prog=prog or f"hf-flce {command}")
+    prog = prog or f"hf-flce {command}"
+    return TrlParser((*module.make_parser(prog=prog).dataclass_types, FLCEArguments), prog=prog)
 
 
 def _load_dataset(script_args, dataset_args):
@@ -70,6 +103,7 @@ def train(
     training_args,
     model_args,
     dataset_args,
+    flce_args: FLCEArguments | None = None,
     *,
     dataset=None,
     model=None,
@@ -78,8 +112,9 @@ def train(
 ):
     """What ``trl <command>`` does after parsing, with :class:`~hf_flce.FLCESFTTrainer` or
     :class:`~hf_flce.FLCEDPOTrainer`: build the model arguments, load the dataset (unless ``dataset`` is given),
-    train, save, optionally push. ``model`` (an instance) replaces ``--model_name_or_path``, ``trainer_cls`` the
-    trainer class (e.g. TRL's own, for comparisons); ``kwargs`` go to the trainer. Returns the trainer."""
+    train, save, optionally push. ``flce_args`` go to hf_flce's trainer. ``model`` (an instance) replaces
+    ``--model_name_or_path``, ``trainer_cls`` the trainer class (e.g. TRL's own, for comparisons, which takes no
+    ``flce_args``); ``kwargs`` go to the trainer. Returns the trainer."""
     import transformers
     from packaging.version import Version
     from trl import get_peft_config, get_quantization_config
@@ -98,11 +133,15 @@ def train(
         dataset = _load_dataset(script_args, dataset_args)
 
     _check_columns(command, dataset[script_args.dataset_train_split], training_args)
+    flce_options = (flce_args or FLCEArguments()).changed()
     if trainer_cls is None:
         trainer_cls = FLCESFTTrainer if command == "sft" else FLCEDPOTrainer
-        # hf_flce's own trainer option, which TRL's parser has no place for (the DPO trainer refuses it)
+    if isinstance(trainer_cls, type) and issubclass(trainer_cls, (FLCESFTTrainer, FLCEDPOTrainer)):
         if env_flag(DEFER_HEAD_GRAD_ENV):
-            kwargs.setdefault("flce_defer_head_grad", True)
+            flce_options.setdefault("flce_defer_head_grad", True)  # the DPO trainer refuses it
+        kwargs = {**flce_options, **kwargs}
+    elif flce_options:
+        raise ValueError(f"{', '.join(flce_options)} are options of hf_flce's trainers, not of {trainer_cls.__name__}")
     trainer = trainer_cls(
         model=model if model is not None else model_args.model_name_or_path,
         args=training_args,
@@ -138,10 +177,7 @@ def run_in_process(argv: list[str]) -> int:
     if command is None:
         return 0
     parser = make_parser(command)
-    script_args, training_args, model_args, dataset_args = parser.parse_args_and_config(
-        rest, fail_with_unknown_args=False
-    )
-    train(command, script_args, training_args, model_args, dataset_args)
+    train(command, *parser.parse_args_and_config(rest, fail_with_unknown_args=False))
     return 0
 
 

@@ -222,16 +222,19 @@ def _keep_limit(plan: CallPlan, device: torch.device) -> int:
     return max(plan.budget, backend_limit(device)) if backend_limit is not None else plan.budget
 
 
-def _column_buffers_fit(plan: CallPlan, n_rows: int, x, w_c, weight, gathered: bool, need_dw: bool) -> bool:
+def _column_buffers_fit(plan: CallPlan, n_rows: int, x, w_c, weight, gathered: bool, needs: tuple) -> bool:
     """Whether a recomputing backward over vocabulary chunks (``_recompute_by_columns``) costs less memory than row
-    chunks: its ``[rows, H]`` buffers (a float32 dX, and the gathered rows of a compacted batch or a cast weight's
-    dtype) against the dW accumulator that row chunks sum into, or without dW against the budget."""
-    row_bytes = x.shape[1] * (4 + (w_c.element_size() if gathered or w_c.dtype != x.dtype else 0))
+    chunks: its ``[rows, H]`` buffers (a float32 dX sum where dX is wanted, and the gathered rows of a compacted batch
+    or a cast weight's dtype) against the dW accumulator that row chunks sum into, or without dW against the budget.
+    ``needs``: whether dX and dW are wanted."""
+    need_dx, need_dw = needs
+    gathered_bytes = w_c.element_size() if gathered or w_c.dtype != x.dtype else 0
+    row_bytes = x.shape[1] * ((4 if need_dx else 0) + gathered_bytes)
     limit = _accumulator_bytes(_residual_dw(plan, x, weight), weight, True) if need_dw else plan.budget
     return n_rows * row_bytes < limit
 
 
-def _kept_columns(plan: CallPlan, fused, n_rows: int, x, w_c, weight, need_dw: bool) -> int | None:
+def _kept_columns(plan: CallPlan, fused, n_rows: int, x, w_c, weight, needs: tuple) -> int | None:
     """How many leading vocabulary columns a per-token loss whose logits pass the keep limit keeps (as the epilogue's
     16-bit e) from forward to backward for ``n_rows`` rows, its backward recomputing only the others, by vocabulary
     chunks: as many whole ``fused.COLUMN_ALIGN`` blocks as the limit holds. None where none fits or the backward would
@@ -240,7 +243,7 @@ def _kept_columns(plan: CallPlan, fused, n_rows: int, x, w_c, weight, need_dw: b
     columns = _keep_limit(plan, x.device) // max(1, n_rows * 2) // align * align
     if not 0 < columns < w_c.shape[0] or not _vocab_chunks():
         return None
-    return columns if _column_buffers_fit(plan, n_rows, x, w_c, weight, True, need_dw) else None
+    return columns if _column_buffers_fit(plan, n_rows, x, w_c, weight, True, needs) else None
 
 
 def _vocab_chunks() -> bool:
@@ -718,7 +721,7 @@ def _forward(x, weight, bias, target, plan: CallPlan, needs_input_grad) -> tuple
         and n * vocab * fused.bytes_per_logit(vocab, plan.params) > 2 * _keep_limit(plan, x.device)
     )
     if not need_grad or recompute:
-        keep_columns = _kept_columns(plan, fused, n, x, w_c, weight, need_dw) if need_grad else None
+        keep_columns = _kept_columns(plan, fused, n, x, w_c, weight, (need_dx, need_dw)) if need_grad else None
         result = _statistics_without_sync(x, w_c, bias, target, plan, fused, need_grad, keep_columns)
         if result is not None:
             return result
@@ -768,7 +771,7 @@ def _forward(x, weight, bias, target, plan: CallPlan, needs_input_grad) -> tuple
     # a per-token loss whose logits pass the keep limit keeps what fits of them, by leading columns, in one chunk
     keep_columns = None
     if need_grad and not eager and not keep_logits and n_chunks == 1 and fused is not None and not plan.prob_weighted:
-        keep_columns = _kept_columns(plan, fused, n_valid, x, w_c, weight, need_dw)
+        keep_columns = _kept_columns(plan, fused, n_valid, x, w_c, weight, (need_dx, need_dw))
     keep = keep_logits or keep_columns is not None
 
     def settle() -> int:
@@ -994,14 +997,15 @@ def _recompute_grads(
     # less than the accumulator. Column chunks stay within the budget, with [rows, H] buffers (a float32 dX, and the
     # gathered rows of a compacted batch) and no pass over an accumulator. A forward that kept the leading columns
     # (``_kept_columns``) chose them already. dW alone (``SavedForWeightGrad``) always goes by columns: within the
-    # budget that is one chunk, the same GEMMs, with the target column added in float32.
+    # budget that is one chunk, the same GEMMs, with the target column added in float32. Logits kept whole take one
+    # row chunk: the target column's float32 path (a float32 dX, a sort, three small kernels) would cost 2-5% there.
     partly_kept = kept is not None and not isinstance(kept, torch.Tensor) and kept.e.shape[1] < weight.shape[0]
     by_columns = (
         kept is None
         and (over_budget or not need_dx)
         and need_dw
         and _vocab_chunks()
-        and _column_buffers_fit(plan, n_valid, x, w_c, weight, rows is not None, need_dw)
+        and _column_buffers_fit(plan, n_valid, x, w_c, weight, rows is not None, (need_dx, need_dw))
     )
     if partly_kept or by_columns:
         return _recompute_by_columns(
@@ -1071,11 +1075,11 @@ def _recompute_by_columns(
     rounded once, as one GEMM rounds it. A chunk's gradient comes from the epilogue of the GEMM that recomputes its
     logits (``fused``), or from the tile pass over its logits. ``kept`` (the forward's e for the leading columns,
     ``_kept_columns``) gives the first chunk's gradient by a pass over it, freed before the GEMMs recompute the
-    others. The recomputing epilogue (16-bit, without a bias) writes 0 at each row's target column, and that column's
-    float32 value (from a float32 dot per row) is added to dW's target rows and to dX at the end: bf16 holds
-    ``p_y - 1`` to 2^-9 only, which loses ``p_y`` wherever it is smaller (stock's gradient does). dW is then rounded
-    once at its other rows, and its target rows, whose 16-bit part holds the other rows' small terms only, get the
-    float32 term before a second rounding."""
+    others. The recomputing epilogue and that pass (16-bit, without a bias) write 0 at each row's target column, and
+    that column's float32 value (from a float32 dot per row) is added to dW's target rows and to dX at the end: bf16
+    holds ``p_y - 1`` to 2^-9 only, which loses ``p_y`` wherever it is smaller (stock's gradient does). dW is then
+    rounded once at its other rows, and its target rows, whose 16-bit part holds the other rows' small terms only, get
+    the float32 term before a second rounding."""
     need_dx, need_dw, need_db = needs
     n_valid = ys.shape[0]
     vocab = w_c.shape[0]
@@ -1129,7 +1133,9 @@ def _recompute_by_columns(
     first = 0
     if kept is not None:
         first = kept.e.shape[1]
-        add(0, first, fused.gradient(kept, ys, lse_v, ent_v, plan.params, x_kept.dtype, *upstream))
+        grad = fused.gradient(kept, ys, lse_v, ent_v, plan.params, x_kept.dtype, *upstream, target_apart=target_apart)
+        add(0, first, grad)
+        del grad
     align = _TILE_COLUMN_ALIGN if fused is None else fused.COLUMN_ALIGN
     # on the tile path where the GEMM has no float32 output (CPU, NPU), exact_mm_fp32 upcasts each chunk's 16-bit
     # gradient for dX (the epilogue GEMM runs on CUDA, where it has one)
@@ -1143,8 +1149,7 @@ def _recompute_by_columns(
         del grad
     dx = None
     if target_apart:
-        # 0 at ignored rows and where the target is among the kept leading columns, whose gradient carries it
-        target_column = fused.target_gradient(x_kept, w_c, ys, lse_v, ent_v, plan.params, *upstream, first_column=first)
+        target_column = fused.target_gradient(x_kept, w_c, ys, lse_v, ent_v, plan.params, *upstream)
         if dw is not None:
             fused.add_target_rows(dw, x_kept, None, ys, target_column, plan.params.ignore_index)
         if dx_acc is not None:

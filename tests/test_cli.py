@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import trl
 import trl.scripts.dpo
 import trl.scripts.sft
 
@@ -46,10 +47,31 @@ def _args(workdir, command, *extra):
 
 
 @pytest.mark.parametrize("command, trl_script", [("sft", trl.scripts.sft), ("dpo", trl.scripts.dpo)])
-def test_parser_is_trls(command, trl_script):
+def test_parser_is_trls_plus_the_flce_options(command, trl_script):
     ours, theirs = cli.make_parser(command), trl_script.make_parser()
-    assert ours.dataclass_types == theirs.dataclass_types
-    assert sorted(a.option_strings for a in ours._actions) == sorted(a.option_strings for a in theirs._actions)
+    assert ours.dataclass_types == [*theirs.dataclass_types, cli.FLCEArguments]
+    flce = [["--flce_backend", "--flce-backend"], ["--flce_memory_budget", "--flce-memory-budget"]]
+    flce.append(["--flce_defer_head_grad", "--flce-defer-head-grad"])
+    assert sorted(a.option_strings for a in ours._actions) == sorted([a.option_strings for a in theirs._actions] + flce)
+
+
+def test_flce_options_reach_our_trainer(workdir, tmp_path):
+    """``--flce_*`` arguments, and the same keys in a ``--config`` YAML file, become the trainer's keywords; TRL's own
+    trainer refuses them by name, and a backend that does not exist is the parser's error."""
+    budget = ["--flce_memory_budget", "1048576"]
+    parsed = cli.make_parser("sft").parse_args_and_config(_args(workdir, "sft", *budget, "--flce_defer_head_grad"))
+    assert parsed[-1] == cli.FLCEArguments(flce_memory_budget=1 << 20, flce_defer_head_grad=True)
+    trainer = cli.train("sft", *parsed)
+    assert (trainer.flce_memory_budget, trainer.flce_defer_head_grad, trainer.flce_backend) == (1 << 20, True, "auto")
+    assert trainer.state.global_step == 2
+    config = tmp_path / "config.yaml"
+    config.write_text("flce_backend: torch\nflce_memory_budget: 4096\n")
+    parsed = cli.make_parser("dpo").parse_args_and_config(_args(workdir, "dpo", "--config", str(config)))
+    assert parsed[-1].changed() == {"flce_backend": "torch", "flce_memory_budget": 4096}
+    with pytest.raises(ValueError, match="flce_backend, flce_memory_budget are options of hf_flce's trainers"):
+        cli.train("dpo", *parsed, trainer_cls=trl.DPOTrainer)
+    with pytest.raises(SystemExit):
+        cli.make_parser("sft").parse_args_and_config(_args(workdir, "sft", "--flce_backend", "cuda"))
 
 
 def test_defer_head_grad_from_the_environment(workdir, monkeypatch):

@@ -487,6 +487,18 @@ def test_weight_grad_saved_for_later_edge_rows(n, ignore_every):
         torch.testing.assert_close(g.double(), r, rtol=1e-4, atol=1e-5)
 
 
+def test_weight_grad_saved_for_later_with_more_rows_than_classes():
+    """dW alone has no float32 dX sum: its vocabulary chunks' ``[rows, H]`` buffer is the gathered rows only, within
+    a ``[V, H]`` accumulator up to V rows, where counting a dX sum too sent more than V / 2 rows to row chunks (200
+    kept of 250 with 257 classes)."""
+    x, w, y, _ = _problem(n=250, v=257, ignore_every=5)
+    with mock.patch.object(engine, "_recompute_by_columns", wraps=engine._recompute_by_columns) as by_columns:
+        grads, ref_grads = _saved_for_weight_grad_vs_reference(x, w, y, None, {})
+    assert by_columns.call_count == 1
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g.double(), r, rtol=1e-4, atol=1e-5)
+
+
 def test_weight_grad_saved_for_later_bad_input():
     x, w, y, _ = _problem()
     with pytest.raises(ValueError, match="needs the weight detached"):

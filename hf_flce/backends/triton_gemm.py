@@ -672,7 +672,6 @@ def _target_kernel(
     N,
     K,
     ignore_index,
-    first_column,
     inv_softcap,
     t_scale,
     inv_temperature,
@@ -693,12 +692,12 @@ def _target_kernel(
 ):
     """Each of BR rows' target column from a float32 dot ``x_n . w_y`` (the GEMM's epilogue would pay a compare and a
     select on every logit for one value per row): its transformed logit ``t_y`` (+inf at ignored rows), or with
-    ``GRAD`` its logits gradient, with the rows' lse known (0 at ignored rows and where ``y < first_column``)."""
+    ``GRAD`` its logits gradient, with the rows' lse known (0 at ignored rows)."""
     FAST_TANH: tl.constexpr = HW_TANH and x_ptr.dtype.element_ty != tl.float32  # as the GEMM's epilogue
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     row_ok = rows < N
     y = tl.load(y_ptr + rows, mask=row_ok, other=ignore_index)
-    valid = row_ok & (y != ignore_index) & (y >= first_column)
+    valid = row_ok & (y != ignore_index)
     y_row = tl.where(valid, y, 0).to(tl.int64)
     ks = tl.arange(0, BK)
     acc = tl.zeros((BR, BK), tl.float32)
@@ -937,12 +936,13 @@ def _grad_from_e_kernel(
     HAS_ZLOSS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_TEMPERATURE: tl.constexpr,
+    TARGET_APART: tl.constexpr,
     BR: tl.constexpr,
     BN: tl.constexpr,
 ):
     """The gradient of a [BR, BN] block (BN = the GEMM's tile width, so one m per row) from the stored e, whose V
     columns may be the head's first ones only. ``g`` may be ``e``'s own memory: each element is read before it is
-    written, by the same thread."""
+    written, by the same thread. ``TARGET_APART``: 0 at each row's target column, as MODE_GRAD's epilogue."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     tile = tl.program_id(1)
     cols = tile * BN + tl.arange(0, BN)
@@ -990,6 +990,8 @@ def _grad_from_e_kernel(
         g *= tl.maximum(1.0 - th * th, 0.0) * inv_temperature
     elif HAS_TEMPERATURE:
         g *= inv_temperature
+    if TARGET_APART:
+        g = tl.where(is_y, 0.0, g)
     tl.store(g_ptr + rows.to(tl.int64)[:, None] * stride_gn + cols[None, :], g.to(g_ptr.dtype.element_ty), mask=mask)
 
 
@@ -1232,7 +1234,7 @@ def _launch_tuned(grid, args, flags, key) -> triton.Config:
     return config
 
 
-def _launch_target_kernel(x, weight, bias, target, params, out, grad=None, first_column=0):
+def _launch_target_kernel(x, weight, bias, target, params, out, grad=None):
     """``_target_kernel``: ``t_y`` into ``out``, or with ``grad = (lse, entropy, upstream)`` the target column's
     gradient."""
     br = 16
@@ -1253,7 +1255,6 @@ def _launch_target_kernel(x, weight, bias, target, params, out, grad=None, first
         x.shape[0],
         x.shape[1],
         params.ignore_index,
-        first_column,
         *transform_args(params),
         params.label_smoothing,
         params.label_smoothing / params.vocab,
@@ -1277,17 +1278,15 @@ def target_gradient(
     grad_loss: torch.Tensor | None = None,
     grad_logprob: torch.Tensor | None = None,
     grad_entropy: torch.Tensor | None = None,
-    first_column: int = 0,
 ) -> torch.Tensor:
     """Each row's logits gradient at its target column, float32 ``[rows]``: the entries that ``recompute_gradient(...,
-    target_apart=True)`` writes as 0 (no bias). 0 at ignored rows and at rows whose target lies below
-    ``first_column`` (the leading columns a forward kept, whose gradient carries them)."""
+    target_apart=True)`` and ``gradient(..., target_apart=True)`` write as 0 (no bias); 0 at ignored rows."""
     n = x.shape[0]
     out = torch.empty(n, dtype=torch.float32, device=x.device)
     if n:
         with TritonTileOps._device_guard(x.device):
             upstream = (grad_loss, grad_logprob, grad_entropy)
-            _launch_target_kernel(x, weight, None, target, params, out, (lse, entropy, upstream), first_column)
+            _launch_target_kernel(x, weight, None, target, params, out, (lse, entropy, upstream))
     return out
 
 
@@ -1429,9 +1428,11 @@ def gradient(
     grad_loss: torch.Tensor | None = None,
     grad_logprob: torch.Tensor | None = None,
     grad_entropy: torch.Tensor | None = None,
+    target_apart: bool = False,
 ) -> torch.Tensor:
     """The logits gradient ``[rows, V]`` (or the columns ``kept.e`` holds) in ``out_dtype`` (16-bit: written over
-    ``kept.e``, which is consumed)."""
+    ``kept.e``, which is consumed). ``target_apart``: each row's target column is written as 0, for
+    ``target_gradient`` to give in float32."""
     e = kept.e
     n, vocab = e.shape
     out = e.view(out_dtype) if out_dtype.itemsize == 2 else torch.empty(n, vocab, dtype=out_dtype, device=e.device)
@@ -1462,6 +1463,7 @@ def gradient(
             params.label_smoothing,
             params.label_smoothing / params.vocab,
             params.z_loss,
+            TARGET_APART=target_apart,
             BR=br,
             BN=kept.tile_n,
             num_warps=4,

@@ -23,12 +23,14 @@ TOY_DATASETS = {"sft": "sft_chat", "dpo": "preference"}
 
 @dataclass
 class ExampleArgs:
-    """Everything an example needs: TRL's four argument dataclasses and the example's own options."""
+    """Everything an example needs: TRL's four argument dataclasses, hf_flce's trainer options and the example's own
+    options."""
 
     script: object
     training: object
     model: object
     dataset: object
+    flce: object
     stock_trl: bool = False
     metrics_json: str | None = None
     vocab_size: int | None = None
@@ -38,9 +40,10 @@ class ExampleArgs:
 
 
 def parse_example_args(command: str, argv: list[str] | None = None) -> ExampleArgs:
-    """Parse TRL's ``trl <command>`` arguments plus ``--stock_trl`` (run TRL's own trainer, for comparison),
-    ``--metrics_json PATH`` and ``--vocab_size N`` (pad the tiny model's vocabulary). Without
-    ``--model_name_or_path`` the tiny model is used, and the toy defaults of :func:`toy_training_defaults` apply."""
+    """Parse ``hf-flce <command>``'s arguments (TRL's, and hf_flce's trainer options) plus ``--stock_trl`` (run
+    TRL's own trainer, for comparison), ``--metrics_json PATH`` and ``--vocab_size N`` (pad the tiny model's
+    vocabulary). Without ``--model_name_or_path`` the tiny model is used, and the toy defaults of
+    :func:`toy_training_defaults` apply."""
     from ..cli import make_parser
 
     own = argparse.ArgumentParser(add_help=False)
@@ -52,12 +55,13 @@ def parse_example_args(command: str, argv: list[str] | None = None) -> ExampleAr
     embedded_model = not any(a.startswith("--model_name_or_path") for a in rest)
     if embedded_model:
         parser.set_defaults(**toy_training_defaults(command))
-    script, training, model, dataset = parser.parse_args_and_config(rest)
+    script, training, model, dataset, flce = parser.parse_args_and_config(rest)
     return ExampleArgs(
         script=script,
         training=training,
         model=model,
         dataset=dataset,
+        flce=flce,
         stock_trl=opts.stock_trl,
         metrics_json=opts.metrics_json,
         vocab_size=opts.vocab_size,
@@ -143,6 +147,7 @@ def run_example(command: str, trainer_cls, stock_cls, argv: list[str] | None = N
         args.training,
         args.model,
         args.dataset,
+        args.flce,
         dataset=dataset,
         model=model,
         trainer_cls=cls,
