@@ -9,6 +9,7 @@ argument, so it also trains real models:
     python examples/sft.py --model_name_or_path Qwen/Qwen2.5-0.5B --dataset_name trl-lib/Capybara \\
         --output_dir outputs/qwen-sft --bf16 --per_device_train_batch_size 4 --max_length 4096
     python examples/sft.py --stock_trl                       # the same run with TRL's own SFTTrainer
+    python examples/sft.py --flce_defer_head_grad            # hf_flce's trainer options: --flce_*
 
 ``--metrics_json PATH`` writes the logged losses, tokens/s and peak memory. In a script of your own, only the class
 name changes from TRL:

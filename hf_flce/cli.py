@@ -141,7 +141,8 @@ def train(
             flce_options.setdefault("flce_defer_head_grad", True)  # the DPO trainer refuses it
         kwargs = {**flce_options, **kwargs}
     elif flce_options:
-        raise ValueError(f"{', '.join(flce_options)} are options of hf_flce's trainers, not of {trainer_cls.__name__}")
+        names = ", ".join(f"--{name}" for name in flce_options)
+        raise ValueError(f"{names}: options of hf_flce's trainers, which {trainer_cls.__name__} does not take")
     trainer = trainer_cls(
         model=model if model is not None else model_args.model_name_or_path,
         args=training_args,

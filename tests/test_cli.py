@@ -68,7 +68,9 @@ def test_flce_options_reach_our_trainer(workdir, tmp_path):
     config.write_text("flce_backend: torch\nflce_memory_budget: 4096\n")
     parsed = cli.make_parser("dpo").parse_args_and_config(_args(workdir, "dpo", "--config", str(config)))
     assert parsed[-1].changed() == {"flce_backend": "torch", "flce_memory_budget": 4096}
-    with pytest.raises(ValueError, match="flce_backend, flce_memory_budget are options of hf_flce's trainers"):
+    with pytest.raises(
+        ValueError, match="--flce_backend, --flce_memory_budget: options of hf_flce's trainers, which DPOTrainer"
+    ):
         cli.train("dpo", *parsed, trainer_cls=trl.DPOTrainer)
     with pytest.raises(SystemExit):
         cli.make_parser("sft").parse_args_and_config(_args(workdir, "sft", "--flce_backend", "cuda"))
