@@ -222,7 +222,7 @@ def _keep_limit(plan: CallPlan, device: torch.device) -> int:
     return max(plan.budget, backend_limit(device)) if backend_limit is not None else plan.budget
 
 
-def _column_buffers_fit(plan: CallPlan, n_rows: int, x, w_c, weight, gathered: bool, needs: tuple) -> bool:
+def _column_buffers_fit(plan: CallPlan, n_rows: int, x, w_c, weight, gathered: bool, needs: tuple[bool, bool]) -> bool:
     """Whether a recomputing backward over vocabulary chunks (``_recompute_by_columns``) costs less memory than row
     chunks: its ``[rows, H]`` buffers (a float32 dX sum where dX is wanted, and the gathered rows of a compacted batch
     or a cast weight's dtype) against the dW accumulator that row chunks sum into, or without dW against the budget.
@@ -234,7 +234,7 @@ def _column_buffers_fit(plan: CallPlan, n_rows: int, x, w_c, weight, gathered: b
     return n_rows * row_bytes < limit
 
 
-def _kept_columns(plan: CallPlan, fused, n_rows: int, x, w_c, weight, needs: tuple) -> int | None:
+def _kept_columns(plan: CallPlan, fused, n_rows: int, x, w_c, weight, needs: tuple[bool, bool]) -> int | None:
     """How many leading vocabulary columns a per-token loss whose logits pass the keep limit keeps (as the epilogue's
     16-bit e) from forward to backward for ``n_rows`` rows, its backward recomputing only the others, by vocabulary
     chunks: as many whole ``fused.COLUMN_ALIGN`` blocks as the limit holds. None where none fits or the backward would

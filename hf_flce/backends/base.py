@@ -87,9 +87,9 @@ class TileOps(Protocol):
     # then the logits themselves; the backend's scratch must not grow with the chunk there (it is not budgeted).
     # Optional: ``fused_head``, a path that replaces the logits GEMM and these passes for calls it ``supports``:
     # ``forward`` (``keep_columns=``: e kept for the leading columns only, a multiple of ``COLUMN_ALIGN``),
-    # ``gradient``, ``recompute_gradient`` (``first_column=``: a vocabulary chunk of the head's rows; ``target_apart=``:
-    # 0 at each row's target column), ``target_gradient`` (that column in float32), ``add_target_rows`` (its
-    # ``dW[y_i] += c_i x_i``) and ``bytes_per_logit`` (``triton_gemm``).
+    # ``gradient`` and ``recompute_gradient`` (``first_column=``: a vocabulary chunk of the head's rows; both take
+    # ``target_apart=``: 0 at each row's target column), ``target_gradient`` (that column in float32),
+    # ``add_target_rows`` (its ``dW[y_i] += c_i x_i``) and ``bytes_per_logit`` (``triton_gemm``).
     # Optional: ``residual_dw``, for calls it ``supports``, a ``ResidualDW`` that sums the chunks' dW into the 16-bit
     # gradient plus an int8 residual instead of a float32 accumulator (``triton_dw``).
     # Optional: ``gemm_min_capability``, the CUDA compute capability (major) below which the engine does not take
