@@ -154,7 +154,9 @@ def test_remove_subsequence():
 
 @pytest.mark.slow
 def test_console_script_end_to_end(workdir):
-    exe = shutil.which("hf-flce") or pytest.skip("hf-flce is not installed (pip install -e .)")
+    # next to this interpreter (a virtualenv's bin, not always on PATH), else on PATH
+    exe = shutil.which("hf-flce", path=os.path.dirname(sys.executable)) or shutil.which("hf-flce")
+    exe = exe or pytest.skip("hf-flce is not installed (pip install -e .)")
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     out = subprocess.run(
         [exe, "sft", "--num_processes", "1", *_args(workdir, "sft")], env=env, capture_output=True, text=True
