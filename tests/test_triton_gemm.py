@@ -842,6 +842,27 @@ def test_scaled_statistics_against_a_row_reference(names, overflow, row_referenc
     assert torch.isfinite(stats.loss).all()
 
 
+@pytest.mark.parametrize("scaled", [True, False], ids=["scaled", "stats-only"])
+def test_top1_ties_across_the_merges_tile_blocks(scaled):
+    """The merge walks a row's tiles ``MERGE_TILES`` at a time: a tie for the max in a later step leaves the first
+    column the top-1 (more tiles than a step both at the interpreter's 32-column tiles and at the GPU's 256)."""
+    v = 17000
+    assert -(-v // 256) > triton_gemm.MERGE_TILES
+    hidden, weight, target, _ = make_inputs(6, 16, v, ignore_every=0, seed=3)
+    weight[v - 1] *= 4  # its logit the row max in every row below
+    weight[[5, v - 9]] = weight[v - 1].clone()
+    hidden[:] = weight[v - 1]
+    target[:] = torch.tensor([5, v - 9, v - 1, 0, 5, v - 9])
+    hidden, weight = hidden.bfloat16(), weight.bfloat16()
+    params = params_for(v, stats=frozenset({"entropy", "is_top1"}))
+    ref = TorchTileOps().forward((hidden.double() @ weight.double().T).float(), target, params)
+    assert ref.is_top1.tolist() == [True, False, False, False, True, False]
+    stats, _ = triton_gemm.forward(hidden, weight, None, target, params, keep=False, scaled=scaled)
+    assert torch.equal(stats.is_top1, ref.is_top1)
+    for name in ("loss", "entropy"):
+        assert_close(getattr(stats, name), getattr(ref, name), 1e-5, name)
+
+
 @pytest.mark.parametrize("softcap", [None, 5.0], ids=["plain", "softcap"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("budget", [None, 4096], ids=["one-chunk", "chunks"])

@@ -70,6 +70,10 @@ MODE_SCALED = 3  # partial statistics and E = exp(t - t_y - REF_OFFSET) dt in bf
 COLUMN_ALIGN = 256
 
 _NEG_BIG = tl.constexpr(-3.0e38)
+# The merge's rows per program and tiles per step. On an H100 (docs/PERF_NOTES.md v33) 16 x 64 took 0.58-0.73 of
+# 32 x 32's time in fwd+bwd calls at five shapes (0.53-0.83 in no-grad ones): twice the programs (a thin-H chunk of
+# ~3300 rows had 103 of them for 132 SMs) and twice the loads in flight per step.
+MERGE_ROWS, MERGE_TILES = 16, 64
 
 
 def _configs():
@@ -1366,10 +1370,9 @@ def forward(
             t_y = torch.empty(n, **f32)
             _launch_target_kernel(x, weight, bias, target, params, t_y)
         n_tiles = triton.cdiv(vocab, tile_n)
-        br = 32
         launch(
             _merge_kernel,
-            (triton.cdiv(n, br),),
+            (triton.cdiv(n, MERGE_ROWS),),
             partials,
             best,
             t_y,
@@ -1405,8 +1408,8 @@ def forward(
             SCALED=scaled,
             HAS_SOFTCAP=params.softcap is not None,
             HAS_TEMPERATURE=params.inv_temperature != 1.0,
-            BR=br,
-            BT=32,
+            BR=MERGE_ROWS,
+            BT=MERGE_TILES,
             num_warps=4,
         )
     if scaled:
