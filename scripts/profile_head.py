@@ -44,6 +44,9 @@
 14. ``dx_rows``: cuBLAS's dX GEMM of one chunk (``E [rows, V] @ W [V, H]``, float32 out, as ``mm_fp32`` runs it) for
    rows from 1024 to 8192 in steps of 128, each timed in turns with the same GEMM at 4096 rows: time per row ÷ that
    reference's. cuBLAS picks its kernel by shape, and this output (rows × H) fills few waves of tiles.
+15. ``trainer_stats``: fwd+bwd of the scalar loss alone and with the statistics ``FLCESFTTrainer`` logs every step
+   (``return_stats=("entropy", "is_top1")``), timed in turns with the floor's three GEMMs, with each call's CUDA time
+   per kernel: what TRL's ``entropy`` and ``mean_token_accuracy`` metrics cost the head.
 """
 
 from __future__ import annotations
@@ -516,6 +519,50 @@ def switch_ab(name: str, variable: str, whats: tuple[str, ...] = ("fwd_bwd",)) -
     return row
 
 
+TRAINER_STATS = ("entropy", "is_top1")
+
+
+def trainer_stats(name: str, reps: int = 15) -> dict:
+    """fwd+bwd with and without the SFT trainer's statistics, in turns with the floor: ms, ratios, kernels."""
+    n, h, v = SHAPES[name]
+    x, w, y = inputs(n, h, v)
+    softcap = shape_softcap(name)
+
+    def call(stats):
+        def fwd_bwd():
+            out = hf_flce.fused_linear_cross_entropy(x, w, y, softcap=softcap, return_stats=stats or False)
+            return torch.autograd.grad(out[0] if stats else out, (x, w))
+
+        return fwd_bwd
+
+    xd, wd = x.detach(), w.detach()
+    gemms = floor_gemms(xd, wd, torch.empty(n, v, device=x.device, dtype=x.dtype))
+
+    def floor():
+        for gemm in gemms:
+            gemm()
+
+    fns = {"plain": call(()), "trainer": call(TRAINER_STATS), "floor": floor}
+    ms = _interleaved_ms(fns, reps=reps)
+    row = dict(
+        shape=name,
+        **{f"{k}_ms": t for k, t in ms.items()},
+        plain_over_floor=ms["plain"] / ms["floor"],
+        trainer_over_floor=ms["trainer"] / ms["floor"],
+        trainer_over_plain=ms["trainer"] / ms["plain"],
+        kernels={
+            k: {kk[:60]: round(t, 3) for kk, t in sorted(_kernel_ms(fns[k]).items(), key=lambda kv: -kv[1])[:8]}
+            for k in ("plain", "trainer")
+        },
+    )
+    print(
+        f"[trainer_stats] {name}: plain {row['plain_over_floor']:.3f}x floor, with entropy and top-1 "
+        f"{row['trainer_over_floor']:.3f}x ({row['trainer_over_plain']:.3f}x the plain call)",
+        flush=True,
+    )
+    return row
+
+
 def columns(name: str) -> dict:
     """``switch_ab`` of the per-token path over ``HF_FLCE_VOCAB_CHUNKS``, plus each side's extra memory."""
     row = switch_ab(name, "HF_FLCE_VOCAB_CHUNKS", ("pertoken",))
@@ -912,6 +959,7 @@ def main() -> None:
         columns=[],
         queued=[],
         dx_rows=[],
+        trainer_stats=[],
     )
     for name in args.shapes.split(","):
         if "budget" in sections:
@@ -942,6 +990,8 @@ def main() -> None:
             result["queued"] += queued(name)
         if "dx_rows" in sections:
             result["dx_rows"].append(dx_rows(name))
+        if "trainer_stats" in sections:
+            result["trainer_stats"].append(trainer_stats(name))
         torch.cuda.empty_cache()
     if "host" in sections:
         result["host"].append(host_per_call())
