@@ -23,8 +23,11 @@ Vocabulary-parallel math, per row, with ``t`` the transformed logits and rank ``
 (``q_r`` the local ``sum p^2``). Forward is one GEMM per chunk plus three small all-reduces over per-row vectors (max,
 sum, and an int64 min for the first global argmax when stats are asked for). The gradient of the local logits uses
 the global ``lse`` and ``H`` (formulas in :mod:`hf_flce.backends.base`); the one-hot terms land only on the rank that
-owns the target. Backward recomputes each chunk's logits (or reuses them when the local ``[rows, V_r]`` block fits the
-memory budget), forms ``dX_r = G_r W_r`` and ``dW_r = G_r^T X``, and all-reduces ``dX``. The tile contract of
+owns the target. A scalar loss's gradient is known in forward up to the upstream scalar: each chunk's statistics are
+all-reduced as soon as its logits are, and ``dX_r = G_r W_r`` and ``dW_r = G_r^T X`` are formed there (three GEMMs;
+every rank plans the same chunks, from the largest shard). Per-token upstream gradients are applied in backward, which
+recomputes each chunk's logits (or reuses them when the local ``[rows, V_r]`` block fits the memory budget). ``dX`` is
+all-reduced in backward. The tile contract of
 :mod:`hf_flce.backends` assumes the target column is in the tile, so this op does its passes with torch ops.
 """
 
@@ -73,6 +76,9 @@ class _VPPlan:
     budget: int
     grad_mode: bool
     need_top1: bool
+    # the largest shard's rows: every rank plans its forward chunks from it, so that the per-chunk collectives of a
+    # scalar loss (its gradient is formed in forward) line up on shards of different sizes
+    chunk_vocab: int
 
 
 def _all_reduce(t: torch.Tensor, op: dist.ReduceOp, group) -> torch.Tensor:
@@ -80,13 +86,11 @@ def _all_reduce(t: torch.Tensor, op: dist.ReduceOp, group) -> torch.Tensor:
     return t
 
 
-def _shard_offset(local_vocab: int, device: torch.device, group) -> tuple[int, int]:
-    """``(vocab_start, V)`` of this rank's shard when the shards are contiguous in rank order (one tiny all-gather)."""
+def _shard_sizes(local_vocab: int, device: torch.device, group) -> list[int]:
+    """Every rank's shard rows, in rank order (one tiny all-gather)."""
     sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size(group))]
     dist.all_gather(sizes, torch.tensor([local_vocab], dtype=torch.int64, device=device), group=group)
-    sizes = [int(s) for s in sizes]
-    rank = dist.get_rank(group)
-    return sum(sizes[:rank]), sum(sizes)
+    return [int(s) for s in sizes]
 
 
 def _local_target(target: torch.Tensor, start: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,9 +194,22 @@ class _VocabParallelFunction(torch.autograd.Function):
         xs = x.index_select(0, rows)
         y_local, owned = _local_target(ys, plan.vocab_start, local_vocab)
         n_valid = xs.shape[0]
-        need_grad = plan.grad_mode and any(ctx.needs_input_grad[:3])
-        keep = need_grad and 0 < n_valid * local_vocab * 4 <= plan.budget
-        chunk = max(n_valid, 1) if keep else max(1, plan.budget // (local_vocab * _BYTES_PER_LOGIT))
+        need = ctx.needs_input_grad[:3]
+        need_grad = plan.grad_mode and any(need)
+        # A scalar loss's logits gradient is known in forward up to the upstream scalar: dX and dW are formed there,
+        # three GEMMs in all, and backward only scales them (the single-device op's path).
+        eager = need_grad and plan.reduction == "scalar"
+        keep = need_grad and not eager and 0 < n_valid * local_vocab * 4 <= plan.budget
+        # Where the rows' float32 logits fit the budget, one chunk (a per-token loss keeps them for backward; a scalar
+        # loss then needs no float32 dW sum); the passes over it take ~4x that for a moment, as they did in backward.
+        whole = keep or (eager and 0 < n_valid * plan.chunk_vocab * 4 <= plan.budget)
+        chunk = max(n_valid, 1) if whole else max(1, plan.budget // (plan.chunk_vocab * _BYTES_PER_LOGIT))
+        grads = None
+        if eager:
+            n_chunks = max(1, -(-n_valid // chunk))
+            chunk_bytes = chunk * local_vocab * _BYTES_PER_LOGIT
+            grads = _GradBuffers(n_valid, xs.dtype, weight, weight.dtype, n_chunks, *need, chunk_bytes=chunk_bytes)
+            per_unit = (1.0 / plan.denominator).to(torch.float32).expand(n_valid)
 
         parts: list[dict[str, torch.Tensor]] = []
         kept = None
@@ -200,9 +217,29 @@ class _VocabParallelFunction(torch.autograd.Function):
         for start, end in list(_chunks(n_valid, chunk)) or [(0, 0)]:
             logits = compute_logits(xs[start:end], weight, bias)
             t, _ = _TILES._transform(logits, plan.params)
-            parts.append(_chunk_stats(t, y_local[start:end], owned[start:end]))
+            part = _chunk_stats(t, y_local[start:end], owned[start:end])
+            if eager:
+                # the chunk's global statistics now (its all-reduces), for its gradient per unit upstream gradient
+                part = _combine(part, plan)
+                rows_of = slice(start, end)
+                grad = _logits_grad(
+                    logits,
+                    y_local[rows_of],
+                    owned[rows_of],
+                    part["lse"],
+                    part["entropy"],
+                    per_unit[rows_of],
+                    None,
+                    None,
+                    plan.params,
+                )
+                grads.add(start, end, grad.to(x.dtype), xs[rows_of])
+                del grad
+            parts.append(part)
             kept = logits if keep else None
-        stats = _combine({k: torch.cat([p[k] for p in parts]) for k in parts[0]}, plan)
+            del logits, t
+        joined = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+        stats = joined if eager else _combine(joined, plan)
         loss_v = _row_loss(stats, plan.params)
         top1 = stats["argmax"] == ys if plan.need_top1 else torch.zeros_like(ys, dtype=torch.bool)
 
@@ -218,6 +255,7 @@ class _VocabParallelFunction(torch.autograd.Function):
         if need_grad:
             ctx.save_for_backward(x, weight, bias, rows, y_local, owned, stats["lse"], stats["entropy"])
             ctx.kept = kept  # reused once, then recomputed (a second backward under retain_graph)
+            ctx.eager_grads = grads  # handed out by the first backward; a second one recomputes
         return outputs
 
     @staticmethod
@@ -227,47 +265,76 @@ class _VocabParallelFunction(torch.autograd.Function):
         x, weight, bias, rows, y_local, owned, lse, entropy = ctx.saved_tensors
         plan = ctx.plan
         kept, ctx.kept = ctx.kept, None
+        eager_grads, ctx.eager_grads = ctx.eager_grads, None
         n_valid = rows.numel()
+        need = ctx.needs_input_grad[:3]
+        dx = dw = db = None
+        if eager_grads is not None and g_loss is not None:
+            dx, dw, db = eager_grads.finish(g_loss.to(torch.float32))
+            g_loss = None
 
         def per_row(g):
             return None if g is None else g.reshape(-1).to(torch.float32).index_select(0, rows)
 
-        if g_loss is None:
-            gl = torch.zeros_like(lse)
-        elif plan.reduction == "scalar":
-            gl = (g_loss.to(torch.float32) / plan.denominator).expand(n_valid)
-        else:
-            gl = per_row(g_loss)
-        glp, ge = per_row(g_logp), per_row(g_ent)
-
-        xs = x.index_select(0, rows)
-        chunk = max(n_valid, 1) if kept is not None else max(1, plan.budget // (weight.shape[0] * _BYTES_PER_LOGIT))
-        need = ctx.needs_input_grad[:3]
-        n_chunks = -(-n_valid // chunk)
-        chunk_bytes = chunk * weight.shape[0] * _BYTES_PER_LOGIT
-        grads = _GradBuffers(n_valid, xs.dtype, weight, weight.dtype, n_chunks, *need, chunk_bytes=chunk_bytes)
-        for start, end in _chunks(n_valid, chunk):
-            sl = slice(start, end)
-            logits = kept if kept is not None else compute_logits(xs[sl], weight, bias)
-            grad = _logits_grad(
-                logits,
-                y_local[sl],
-                owned[sl],
-                lse[sl],
-                entropy[sl],
-                gl[sl],
-                None if glp is None else glp[sl],
-                None if ge is None else ge[sl],
-                plan.params,
+        if g_loss is not None or g_logp is not None or g_ent is not None:
+            if g_loss is None:
+                gl = torch.zeros_like(lse)
+            elif plan.reduction == "scalar":
+                gl = (g_loss.to(torch.float32) / plan.denominator).expand(n_valid)
+            else:
+                gl = per_row(g_loss)
+            pdx, pdw, pdb = _recompute_grads(
+                x,
+                weight,
+                bias,
+                rows,
+                y_local,
+                owned,
+                lse,
+                entropy,
+                kept,
+                gl,
+                per_row(g_logp),
+                per_row(g_ent),
+                plan,
+                need,
             )
-            grads.add(start, end, grad.to(x.dtype), xs[sl])
-        dx, dw, db = grads.finish()
+            dx = pdx if dx is None else (dx if pdx is None else dx + pdx)
+            dw = pdw if dw is None else (dw if pdw is None else dw + pdw)
+            db = pdb if db is None else (db if pdb is None else db + pdb)
         if dx is not None:
             # Each rank holds the part of dX that flows through its vocabulary columns.
             dx = _scatter_rows(_all_reduce(dx, dist.ReduceOp.SUM, plan.group), rows, ctx.n)
         if db is not None:
             db = db.to(bias.dtype)
         return dx, dw, db, None, None
+
+
+def _recompute_grads(x, weight, bias, rows, y_local, owned, lse, entropy, kept, gl, glp, ge, plan: _VPPlan, need):
+    """This rank's dX part (kept rows), dW and db for per-row upstream gradients, the logits recomputed by chunks
+    (or ``kept``, the forward's when they fitted the budget)."""
+    n_valid = rows.numel()
+    xs = x.index_select(0, rows)
+    chunk = max(n_valid, 1) if kept is not None else max(1, plan.budget // (weight.shape[0] * _BYTES_PER_LOGIT))
+    n_chunks = -(-n_valid // chunk)
+    chunk_bytes = chunk * weight.shape[0] * _BYTES_PER_LOGIT
+    grads = _GradBuffers(n_valid, xs.dtype, weight, weight.dtype, n_chunks, *need, chunk_bytes=chunk_bytes)
+    for start, end in _chunks(n_valid, chunk):
+        sl = slice(start, end)
+        logits = kept if kept is not None else compute_logits(xs[sl], weight, bias)
+        grad = _logits_grad(
+            logits,
+            y_local[sl],
+            owned[sl],
+            lse[sl],
+            entropy[sl],
+            gl[sl],
+            None if glp is None else glp[sl],
+            None if ge is None else ge[sl],
+            plan.params,
+        )
+        grads.add(start, end, grad.to(x.dtype), xs[sl])
+    return grads.finish()
 
 
 def vocab_parallel_linear_cross_entropy(
@@ -334,10 +401,10 @@ def vocab_parallel_linear_cross_entropy(
     check_tensors(hidden, weight, target, bias, None)
 
     local_vocab, size = weight.shape
-    if vocab_start is None:
-        vocab_start, vocab = _shard_offset(local_vocab, weight.device, process_group)
-    else:
-        vocab = int(_all_reduce(torch.tensor(local_vocab, device=weight.device), dist.ReduceOp.SUM, process_group))
+    sizes = _shard_sizes(local_vocab, weight.device, process_group)
+    vocab = sum(sizes)
+    if vocab_start is None:  # contiguous shards in rank order
+        vocab_start = sum(sizes[: dist.get_rank(process_group)])
     x = hidden.reshape(-1, size)
     y = target.reshape(-1).long().contiguous()
     valid_count = (y != ignore_index).sum().to(torch.float32)
@@ -360,6 +427,7 @@ def vocab_parallel_linear_cross_entropy(
         budget=opts.budget_bytes(x.device),
         grad_mode=torch.is_grad_enabled(),
         need_top1=wanted_stats is not None and "is_top1" in wanted_stats,
+        chunk_vocab=max(sizes),
     )
     with torch.autocast(x.device.type, enabled=False):
         loss, *per_token = _VocabParallelFunction.apply(x, weight, bias, y, plan)

@@ -227,6 +227,9 @@ VP_CASES = {
     "none_stats_grads": dict(reduction="none", ignore_index=-1, stats_grad=True, bias=True),
     "num_items_in_batch": dict(num_items_in_batch=40.0, label_smoothing=0.2),
     "all_ignored": dict(all_ignored=True, stats_grad=True),
+    # The scalar loss forms dX and dW in forward, with collectives per chunk: the 19- and 18-row shards must take the
+    # same chunks (900 bytes: 2 rows against 3 if each planned by its own rows); then a second backward recomputes.
+    "mean_chunked_uneven_twice": dict(memory_budget=900, stats_grad=True, bias=True, twice=True),
 }
 VP_TOKENS, VP_VOCAB = 23, 37
 
@@ -257,7 +260,9 @@ def vp_run(op, x, w, b, y, up, case: dict, **extra):
     options.update({k: case[k] for k in ("temperature", "memory_budget", "num_items_in_batch") if k in case})
     leaves = [t.clone().requires_grad_() if t is not None else None for t in (x, w, b)]
     loss, stats = op(leaves[0], leaves[1], y, leaves[2], return_stats=True, **options, **extra)
-    vp_objective(loss, stats, up, case).backward()
+    objective = vp_objective(loss, stats, up, case)
+    for _ in range(2 if case.get("twice") else 1):
+        objective.backward(retain_graph=True)
     return loss, stats, leaves
 
 
