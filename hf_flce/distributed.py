@@ -156,10 +156,10 @@ def _row_loss(stats: dict[str, torch.Tensor], params: TileParams) -> torch.Tenso
     return loss
 
 
-def _logits_grad(logits, y_local, owned, lse, entropy, g_loss, g_logp, g_ent, params: TileParams) -> torch.Tensor:
+def _logits_grad(t, tanh, y_local, owned, lse, entropy, g_loss, g_logp, g_ent, params: TileParams) -> torch.Tensor:
     """Gradient of the local logits chunk for per-row upstream gradients (float32 ``[rows]``, ``None`` for zero),
-    with the global ``lse`` and entropy. Overwrites nothing it does not own; returns a new float32 tensor."""
-    t, tanh = _TILES._transform(logits, params)
+    with the global ``lse`` and entropy; ``t, tanh`` are the chunk's transformed logits (``TorchTileOps._transform``).
+    Overwrites nothing it does not own; returns a new float32 tensor."""
     eps = params.label_smoothing
     p = torch.exp(t - lse[:, None])
     p_coef = g_loss * (1.0 + 2.0 * params.z_loss * lse) if params.z_loss else g_loss
@@ -216,14 +216,15 @@ class _VocabParallelFunction(torch.autograd.Function):
         # With no valid row, one empty chunk: every rank still joins the collectives, on empty tensors.
         for start, end in list(_chunks(n_valid, chunk)) or [(0, 0)]:
             logits = compute_logits(xs[start:end], weight, bias)
-            t, _ = _TILES._transform(logits, plan.params)
+            t, tanh = _TILES._transform(logits, plan.params)
             part = _chunk_stats(t, y_local[start:end], owned[start:end])
             if eager:
                 # the chunk's global statistics now (its all-reduces), for its gradient per unit upstream gradient
                 part = _combine(part, plan)
                 rows_of = slice(start, end)
                 grad = _logits_grad(
-                    logits,
+                    t,
+                    tanh,
                     y_local[rows_of],
                     owned[rows_of],
                     part["lse"],
@@ -237,7 +238,7 @@ class _VocabParallelFunction(torch.autograd.Function):
                 del grad
             parts.append(part)
             kept = logits if keep else None
-            del logits, t
+            del logits, t, tanh
         joined = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
         stats = joined if eager else _combine(joined, plan)
         loss_v = _row_loss(stats, plan.params)
@@ -323,7 +324,7 @@ def _recompute_grads(x, weight, bias, rows, y_local, owned, lse, entropy, kept, 
         sl = slice(start, end)
         logits = kept if kept is not None else compute_logits(xs[sl], weight, bias)
         grad = _logits_grad(
-            logits,
+            *_TILES._transform(logits, plan.params),
             y_local[sl],
             owned[sl],
             lse[sl],
