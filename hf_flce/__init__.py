@@ -17,6 +17,7 @@ _LAZY = {
     "apply_flce_to_llama": "hf_flce.patches",
     "apply_flce_to_qwen": "hf_flce.patches",
     "apply_flce_to_mistral": "hf_flce.patches",
+    "apply_flce_to_gemma": "hf_flce.patches",
     "revert_flce": "hf_flce.patches",
     "FLCESFTTrainer": "hf_flce.trainers",
     "FLCEDPOTrainer": "hf_flce.trainers",

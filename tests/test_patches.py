@@ -16,7 +16,15 @@ import transformers
 from transformers.utils import find_labels
 
 import hf_flce
-from hf_flce import apply_flce, apply_flce_to_llama, apply_flce_to_mistral, apply_flce_to_qwen, engine, revert_flce
+from hf_flce import (
+    apply_flce,
+    apply_flce_to_gemma,
+    apply_flce_to_llama,
+    apply_flce_to_mistral,
+    apply_flce_to_qwen,
+    engine,
+    revert_flce,
+)
 from hf_flce.patches import forward as patch_forward
 from hf_flce.patches.late_head_grad import LateHeadGrad
 from hf_flce.reference import reference_linear_cross_entropy
@@ -43,6 +51,10 @@ CONFIGS = {
     "MixtralForCausalLM": ("MixtralConfig", dict(**MOE, num_local_experts=4)),
     "Qwen2MoeForCausalLM": ("Qwen2MoeConfig", dict(**QWEN_MOE, shared_expert_intermediate_size=32)),
     "Qwen3MoeForCausalLM": ("Qwen3MoeConfig", dict(**QWEN_MOE, head_dim=8)),
+    "GemmaForCausalLM": ("GemmaConfig", dict(head_dim=8)),
+    # a cap of 2 bends these tiny models' logits (std ~0.6) well away from the identity
+    "Gemma2ForCausalLM": ("Gemma2Config", dict(head_dim=8, final_logit_softcapping=2.0)),
+    "Gemma3ForCausalLM": ("Gemma3TextConfig", dict(head_dim=8, final_logit_softcapping=2.0)),
 }
 CLASSES = list(CONFIGS)
 MOE_CLASSES = [name for name in CLASSES if "output_router_logits" in CONFIGS[name][1]]
@@ -363,6 +375,25 @@ def test_class_patch_apply_twice_and_revert():
     assert after(input_ids=ids, labels=labels).logits is not None
     assert apply_flce_to_qwen(before) is before  # an instance patch after a class revert
     assert before(input_ids=ids, labels=labels).logits is None
+
+
+def test_gemma_family_class_patch_and_softcap():
+    """``Gemma3ForCausalLM`` lives in ``models/gemma3`` under model type ``gemma3_text``: the class patch finds it
+    there, and the config's cap is what the fused loss applies."""
+    ids, labels = make_batch()
+    apply_flce_to_gemma()
+    for name in ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"):
+        assert make_model(name)(input_ids=ids, labels=labels).logits is None
+    assert make_model("LlamaForCausalLM")(input_ids=ids, labels=labels).logits is not None  # other family
+    revert_flce()
+    capped, stock = patched_pair("Gemma3ForCausalLM")
+    uncapped = copy.deepcopy(capped)
+    uncapped.config.final_logit_softcapping = None
+    loss = capped(input_ids=ids, labels=labels).loss
+    torch.testing.assert_close(loss, stock(input_ids=ids, labels=labels).loss, rtol=1e-5, atol=0)
+    assert abs(loss - uncapped(input_ids=ids, labels=labels).loss) > 1e-2
+    with pytest.raises(ValueError, match="supported classes: GemmaForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM"):
+        apply_flce_to_gemma(make_model("LlamaForCausalLM"))
 
 
 def test_instance_apply_twice_and_revert():

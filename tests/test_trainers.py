@@ -393,6 +393,10 @@ def test_sft_moe_aux_loss(tokenizer, tmp_path):
     assert any("aux_loss" in row for row in logs) and any("eval_aux_loss" in row for row in logs)
 
 
+def test_sft_gemma2_softcap(tokenizer, tmp_path):
+    _compare_sft(tokenizer, tmp_path, arch="gemma2")
+
+
 def test_sft_label_smoothing(tokenizer, tmp_path):
     _compare_sft(tokenizer, tmp_path, label_smoothing_factor=0.1)
 

@@ -104,12 +104,12 @@ def build_tiny_model(
 ):
     """A small causal LM with random weights whose vocabulary is the tokenizer's.
 
-    ``arch`` is ``"qwen2"``, ``"llama"`` or ``"qwen2_moe"`` (a Mixture-of-Experts model that returns router logits,
-    for the load-balancing loss). ``vocab_size`` pads the vocabulary beyond the tokenizer's (as real models do), for
+    ``arch`` is ``"qwen2"``, ``"llama"``, ``"gemma2"`` (its config's logit cap of 30 included) or ``"qwen2_moe"`` (a
+    Mixture-of-Experts model that returns router logits, for the load-balancing loss). ``vocab_size`` pads the vocabulary beyond the tokenizer's (as real models do), for
     a head whose cost shows.
     """
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen2MoeConfig
+    from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, Qwen2Config, Qwen2MoeConfig
 
     common = dict(
         vocab_size=max(len(tokenizer), vocab_size or 0),
@@ -128,6 +128,8 @@ def build_tiny_model(
         config = Qwen2Config(**common)
     elif arch == "llama":
         config = LlamaConfig(**common)
+    elif arch == "gemma2":
+        config = Gemma2Config(**common, head_dim=hidden_size // 4)
     elif arch == "qwen2_moe":
         config = Qwen2MoeConfig(
             **common,
@@ -140,7 +142,7 @@ def build_tiny_model(
             router_aux_loss_coef=0.01,
         )
     else:
-        raise ValueError(f"unknown arch {arch!r}; choose 'qwen2', 'llama' or 'qwen2_moe'")
+        raise ValueError(f"unknown arch {arch!r}; choose 'qwen2', 'llama', 'gemma2' or 'qwen2_moe'")
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype or torch.float32)
     return model

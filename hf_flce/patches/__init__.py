@@ -30,7 +30,14 @@ from .registry import (
     supported_classes,
 )
 
-__all__ = ["apply_flce", "apply_flce_to_llama", "apply_flce_to_qwen", "apply_flce_to_mistral", "revert_flce"]
+__all__ = [
+    "apply_flce",
+    "apply_flce_to_llama",
+    "apply_flce_to_qwen",
+    "apply_flce_to_mistral",
+    "apply_flce_to_gemma",
+    "revert_flce",
+]
 
 M = TypeVar("M", bound=nn.Module)
 
@@ -153,6 +160,29 @@ def apply_flce_to_mistral(model: M | None = None, **options: Unpack[PatchKwargs]
         True
     """
     return _apply(("mistral",), model, options, "apply_flce_to_mistral")
+
+
+def apply_flce_to_gemma(model: M | None = None, **options: Unpack[PatchKwargs]) -> M | None:
+    """Patch ``GemmaForCausalLM``, ``Gemma2ForCausalLM`` and ``Gemma3ForCausalLM`` (this instance, or the classes).
+
+    The fused loss applies the config's ``final_logit_softcapping`` (``cap * tanh(logits / cap)``, Gemma 2 and 3) as
+    stock does, in float32 inside the op. The multimodal ``Gemma3ForConditionalGeneration`` is not covered. Options:
+    :func:`apply_flce`.
+
+    Example:
+        >>> import torch
+        >>> from transformers import Gemma2Config, Gemma2ForCausalLM
+        >>> from hf_flce import apply_flce_to_gemma
+        >>> config = Gemma2Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        ...                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, final_logit_softcapping=1.0)
+        >>> model = apply_flce_to_gemma(Gemma2ForCausalLM(config))
+        >>> ids = torch.randint(0, 128, (2, 8))
+        >>> fused = model(input_ids=ids, labels=ids).loss  # training mode: no logits
+        >>> stock = model(input_ids=ids, labels=ids, skip_logits=False)  # the stock forward: logits capped at 1
+        >>> torch.allclose(fused, stock.loss), stock.logits.abs().max() < 1
+        (True, tensor(True))
+    """
+    return _apply(("gemma",), model, options, "apply_flce_to_gemma")
 
 
 def revert_flce(model: M | None = None) -> M | None:

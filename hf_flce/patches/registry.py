@@ -18,10 +18,12 @@ class Target:
     model_type: str
     class_name: str
     moe: bool = False
+    package: str = ""  # the ``transformers.models`` folder, where it is not named after ``model_type``
 
     @property
     def module(self) -> str:
-        return f"transformers.models.{self.model_type}.modeling_{self.model_type}"
+        package = self.package or self.model_type
+        return f"transformers.models.{package}.modeling_{package}"
 
 
 FAMILIES: dict[str, tuple[Target, ...]] = {
@@ -35,6 +37,12 @@ FAMILIES: dict[str, tuple[Target, ...]] = {
     "mistral": (
         Target("mistral", "MistralForCausalLM"),
         Target("mixtral", "MixtralForCausalLM", moe=True),
+    ),
+    # Gemma 2 and 3 cap their logits (``config.final_logit_softcapping``), which the fused forward passes to the op
+    "gemma": (
+        Target("gemma", "GemmaForCausalLM"),
+        Target("gemma2", "Gemma2ForCausalLM"),
+        Target("gemma3_text", "Gemma3ForCausalLM", package="gemma3"),
     ),
 }
 ALL_TARGETS: tuple[Target, ...] = tuple(t for targets in FAMILIES.values() for t in targets)
