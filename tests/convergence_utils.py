@@ -104,6 +104,12 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict]] = {
         "MixtralConfig",
         dict(num_local_experts=4, num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.02),
     ),
+    # a cap of 5 (Gemma 2's is 30) that the trained logits reach, tied embeddings as Gemma ships them
+    # (and eager attention: Gemma 2 caps its attention scores, which sdpa does not)
+    "gemma2-softcap": (
+        "Gemma2Config",
+        dict(head_dim=16, final_logit_softcapping=5.0, tie_word_embeddings=True, attn_implementation="eager"),
+    ),
 }
 
 
@@ -116,7 +122,7 @@ def build_model(
     shape = dict(num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
     settings = dict(**size, **shape, max_position_embeddings=4096, tie_word_embeddings=False)
     config = getattr(transformers, config_name)(**{**settings, **extra, **overrides})
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = extra.get("attn_implementation", "sdpa")
     torch.manual_seed(seed)
     return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
