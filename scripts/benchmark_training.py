@@ -116,6 +116,23 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
             "tie_word_embeddings": True,
         },
     ),
+    # Not one of design.md's configurations: the largest vocabulary with a thin H, where the head weighs most.
+    "gemma3-1b": (
+        "gemma3_text",
+        {
+            "hidden_size": 1152,
+            "intermediate_size": 6912,
+            "num_hidden_layers": 26,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 1,
+            "head_dim": 256,
+            "vocab_size": 262144,
+            "max_position_embeddings": 32768,
+            "sliding_window": 512,
+            "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": True,
+        },
+    ),
     "tiny-llama": ("llama", _TINY),
     "tiny-qwen2": ("qwen2", _TINY),
     "tiny-qwen3": ("qwen3", _TINY),

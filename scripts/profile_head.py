@@ -37,7 +37,7 @@
 12. ``columns``: the per-token path whose backward recomputes, with that backward in vocabulary chunks
    (``HF_FLCE_VOCAB_CHUNKS=1``, the default) against row chunks (``=0``), timed in turns, with each one's CUDA time
    per kernel and memory beyond the inputs and gradients.
-13. ``queued``: fwd+bwd at budgets of 1, 1.5 and 2 GiB, each call queued behind the floor as the benchmark times it
+13. ``queued``: fwd+bwd at budgets of 0.5 (the in-model default), 1, 1.5 and 2 GiB, each call queued behind the floor as the benchmark times it
    (``Device.time_queued``'s pattern) and paired with it: ÷ floor, the chunk plan (rows per chunk) and extra memory
    beyond the gradients. Then the same pattern under torch.profiler, a marker kernel before each: the call's kernel
    time against the floor's, and the GPU's idle time inside the queued call (what host steps after a host read cost).
@@ -81,6 +81,8 @@ SHAPES = {
     "mistral-7b": (8192, 4096, 32768),
     "qwen2.5-7b": (8192, 3584, 152064),
     "gemma2-2b": (8192, 2304, 256000),
+    # the head of benchmark_training.py's gemma3-1b SFT step at 8192 tokens (a quarter masked): thin H, V = 2^18
+    "gemma3-1b-sft": (6144, 1152, 262144),
 }
 BUDGETS_MIB = (256, 512, 1024, 2048, 4096)
 
@@ -750,7 +752,7 @@ def enqueue(name: str) -> dict:
     return row
 
 
-QUEUED_BUDGETS_MIB = (1024, 1536, 2048)
+QUEUED_BUDGETS_MIB = (512, 1024, 1536, 2048)  # 512 MiB: the in-model default (half the op's)
 
 
 def _marker() -> None:
