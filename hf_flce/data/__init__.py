@@ -105,8 +105,8 @@ def build_tiny_model(
     """A small causal LM with random weights whose vocabulary is the tokenizer's.
 
     ``arch`` is ``"qwen2"``, ``"llama"``, ``"gemma2"`` (its config's logit cap of 30 included) or ``"qwen2_moe"`` (a
-    Mixture-of-Experts model that returns router logits, for the load-balancing loss). ``vocab_size`` pads the vocabulary beyond the tokenizer's (as real models do), for
-    a head whose cost shows.
+    Mixture-of-Experts model that returns router logits, for the load-balancing loss). ``vocab_size`` pads the
+    vocabulary beyond the tokenizer's (as real models do), for a head whose cost shows.
     """
     import torch
     from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, Qwen2Config, Qwen2MoeConfig

@@ -165,8 +165,8 @@ def apply_flce_to_mistral(model: M | None = None, **options: Unpack[PatchKwargs]
 def apply_flce_to_gemma(model: M | None = None, **options: Unpack[PatchKwargs]) -> M | None:
     """Patch ``GemmaForCausalLM``, ``Gemma2ForCausalLM`` and ``Gemma3ForCausalLM`` (this instance, or the classes).
 
-    The fused loss applies the config's ``final_logit_softcapping`` (``cap * tanh(logits / cap)``, Gemma 2 and 3) as
-    stock does, in float32 inside the op. The multimodal ``Gemma3ForConditionalGeneration`` is not covered. Options:
+    The fused loss applies the config's ``final_logit_softcapping`` (``cap * tanh(logits / cap)``: 30 in Gemma 2's
+    configs; Gemma 3's leave it unset) as stock does, in float32 inside the op. The multimodal ``Gemma3ForConditionalGeneration`` is not covered. Options:
     :func:`apply_flce`.
 
     Example:

@@ -38,7 +38,8 @@ FAMILIES: dict[str, tuple[Target, ...]] = {
         Target("mistral", "MistralForCausalLM"),
         Target("mixtral", "MixtralForCausalLM", moe=True),
     ),
-    # Gemma 2 and 3 cap their logits (``config.final_logit_softcapping``), which the fused forward passes to the op
+    # Gemma 2 caps its logits (``config.final_logit_softcapping``; Gemma 3's config has the field, unset), which the
+    # fused forward passes to the op
     "gemma": (
         Target("gemma", "GemmaForCausalLM"),
         Target("gemma2", "Gemma2ForCausalLM"),
