@@ -1006,17 +1006,21 @@ def test_kernel_softcap_far_and_peaked_targets(temperature):
 
 
 def test_kernel_first_argmax_across_tiles():
-    # Vocabulary rows 10 and 65 are identical (different tiles) and give row 0 its max: a tie. As with
-    # torch.argmax, the first index wins, so target 65 is not top-1 and target 10 is.
+    # Vocabulary rows 10 and 65 are identical (different tiles) and give rows 0 and 1 their max: a tie. As with
+    # torch.argmax, the first index wins, so target 65 is not top-1 and target 10 is. Those rows hold small
+    # integers, so the tied logit (2 * 33 = 66) is exact in any summation order: numpy's sgemm (under the
+    # interpreter; numpy 2.4.6) rounds the same dot differently at different places of its output block.
     hidden, weight, target, _ = make_inputs(4, 8, 70, ignore_every=0)
-    weight[10] = hidden[0] * 5.0
+    hidden[0] = torch.tensor([1.0, 2.0, -1.0, 3.0, -2.0, 1.0, 2.0, -3.0], device=hidden.device)
+    hidden[1] = hidden[0]
+    weight[10] = hidden[0] * 2.0
     weight[65] = weight[10]
     target[0], target[1] = 65, 10
     weight[11] = hidden[2] * 5.0
     target[2] = 11
     logits = hidden.double() @ weight.double().T
     stats, _ = triton_gemm.forward(hidden, weight, None, target, params_for(70), keep=False)
-    assert not stats.is_top1[0] and stats.is_top1[2]
+    assert not stats.is_top1[0] and stats.is_top1[1] and stats.is_top1[2]
     assert torch.equal(stats.is_top1, logits.argmax(-1) == target)
 
 
