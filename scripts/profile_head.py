@@ -37,9 +37,9 @@
 12. ``columns``: the per-token path whose backward recomputes, with that backward in vocabulary chunks
    (``HF_FLCE_VOCAB_CHUNKS=1``, the default) against row chunks (``=0``), timed in turns, with each one's CUDA time
    per kernel and memory beyond the inputs and gradients.
-13. ``queued``: fwd+bwd at budgets of 0.5 (the in-model default), 1, 1.5 and 2 GiB, each call queued behind the floor as the benchmark times it
-   (``Device.time_queued``'s pattern) and paired with it: ÷ floor, the chunk plan (rows per chunk) and extra memory
-   beyond the gradients. Then the same pattern under torch.profiler, a marker kernel before each: the call's kernel
+13. ``queued``: fwd+bwd at budgets of 0.5 (the in-model default), 1, 1.5 and 2 GiB, each call queued behind the
+   floor as the benchmark times it (``Device.time_queued``'s pattern) and paired with it: ÷ floor, the chunk plan
+   (rows per chunk) and extra memory beyond the gradients. Then the same pattern under torch.profiler, a marker kernel before each: the call's kernel
    time against the floor's, and the GPU's idle time inside the queued call (what host steps after a host read cost).
 14. ``dx_rows``: cuBLAS's dX GEMM of one chunk (``E [rows, V] @ W [V, H]``, float32 out, as ``mm_fp32`` runs it) for
    rows from 1024 to 8192 in steps of 128, each timed in turns with the same GEMM at 4096 rows: time per row ÷ that
