@@ -39,8 +39,9 @@
    per kernel and memory beyond the inputs and gradients.
 13. ``queued``: fwd+bwd at budgets of 0.5 (the in-model default), 1, 1.5 and 2 GiB, each call queued behind the
    floor as the benchmark times it (``Device.time_queued``'s pattern) and paired with it: ÷ floor, the chunk plan
-   (rows per chunk) and extra memory beyond the gradients. Then the same pattern under torch.profiler, a marker kernel before each: the call's kernel
-   time against the floor's, and the GPU's idle time inside the queued call (what host steps after a host read cost).
+   (rows per chunk) and extra memory beyond the gradients. Then the same pattern under torch.profiler, a marker
+   kernel before each: the call's kernel time against the floor's, and the GPU's idle time inside the queued call
+   (what host steps after a host read cost).
 14. ``dx_rows``: cuBLAS's dX GEMM of one chunk (``E [rows, V] @ W [V, H]``, float32 out, as ``mm_fp32`` runs it) for
    rows from 1024 to 8192 in steps of 128, each timed in turns with the same GEMM at 4096 rows: time per row ÷ that
    reference's. cuBLAS picks its kernel by shape, and this output (rows × H) fills few waves of tiles.
