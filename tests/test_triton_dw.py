@@ -161,6 +161,74 @@ def test_hopper_kernel_refusals():
     assert not hopper_dw.supports(g, x[:, 1:9], hi[:, :8])  # x's rows not 16-byte aligned at their start
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="the warp-specialized kernel needs a Hopper GPU and Gluon")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "options", [{}, dict(split=4, stages=5), dict(split=1, stages=3)], ids=["default", "split4", "split1"]
+)
+@pytest.mark.parametrize(
+    "m, n, rows",
+    [
+        (1000, 512, (1001, 64, 130)),
+        (8200, 1032, (700, 700, 5)),  # many tiles per program; H off the 128-column block
+        (4096, 256, (64,)),
+        (2056, 384, (1, 2)),
+    ],
+    ids=["ragged", "many-tiles", "one-chunk", "one-row-chunks"],
+)
+def test_hopper_float32_sum(dtype, options, m, n, rows):
+    """``accumulate_float32`` (the float32 dW sum's Hopper kernel): the first chunk written, the rest added, within
+    float32 summation error of float64 and of cuBLAS's ``addmm`` chain."""
+    grads, xs = chunk_products(m, n, rows, dtype, seed=m + n)
+    total = torch.full((m, n), float("nan"), device=DEVICE)
+    assert hopper_dw.supports_float32(grads[0], xs[0], total)
+    for i, (g, x) in enumerate(zip(grads, xs)):
+        assert hopper_dw.accumulate_float32(g, x, total, first=i == 0, **options) is total
+    cublas = torch.mm(grads[0].T, xs[0], out_dtype=torch.float32)
+    for g, x in zip(grads[1:], xs[1:]):
+        torch.addmm(cublas, g.T, x, out_dtype=torch.float32, out=cublas)
+    ref = exact_sum(grads, xs)
+    through = sum(g.double().abs().T @ x.double().abs() for g, x in zip(grads, xs))
+    bound = through * 2**-20  # float32 sums over at most ~1000 products of exact 16-bit terms
+    assert ((total.double() - ref).abs() <= bound).all()
+    assert ((total - cublas).double().abs() <= 2 * bound).all()
+
+
+def test_hopper_float32_sum_refusals():
+    """Where TMA cannot address the operands (or there is no Hopper GPU), ``dw_product`` keeps cuBLAS's ``addmm``."""
+    g = torch.zeros(8, 1000, dtype=torch.bfloat16, device=DEVICE)
+    x = torch.zeros(8, 64, dtype=torch.bfloat16, device=DEVICE)
+    total = torch.zeros(1000, 64, device=DEVICE)
+    assert hopper_dw.supports_float32(g, x, total) == HOPPER
+    odd = torch.zeros(8, 999, dtype=torch.bfloat16, device=DEVICE)
+    assert not hopper_dw.supports_float32(odd, x, total[:999])  # rows of 1998 bytes
+    assert not hopper_dw.supports_float32(g[:0], x[:0], total)  # no rows
+    assert not hopper_dw.supports_float32(g, x, total.bfloat16())  # a 16-bit sum
+    assert not hopper_dw.supports_float32(g, x.half(), total)  # mixed operand dtypes
+    assert not hopper_dw.supports_float32(g.float(), x.float(), total)  # float32 operands
+    assert not hopper_dw.supports_float32(g, x[:, :6], total[:, :6].contiguous())  # float32 rows of 24 bytes
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="the warp-specialized kernel needs a Hopper GPU and Gluon")
+def test_engine_float32_sum_switch():
+    """fwd+bwd over several chunks with the float32 dW sum by the Hopper kernel and by cuBLAS
+    (``HF_FLCE_DW_FLOAT32_SUM=0``): the same loss and dX, dW within one bf16 rounding of each other."""
+    x, w, y, _ = make_inputs(3000, 256, 5000, dtype=torch.bfloat16, seed=3)
+    results = {}
+    for switch in ("1", "0"):
+        xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+        with mock.patch.dict(os.environ, {"HF_FLCE_DW_FLOAT32_SUM": switch}):
+            loss = hf_flce.fused_linear_cross_entropy(xg, wg, y, memory_budget=8 << 20)
+            loss.backward()
+        results[switch] = (loss.detach(), xg.grad, wg.grad)
+    (loss_on, dx_on, dw_on), (loss_off, dx_off, dw_off) = results["1"], results["0"]
+    assert torch.equal(loss_on, loss_off) and torch.equal(dx_on, dx_off)
+    assert ((dw_on.float() - dw_off.float()).abs() <= dw_off.float().abs() * 2**-7 + 1e-12).all()
+    assert not torch.equal(dw_on, torch.zeros_like(dw_on))
+
+
 def test_misuse_is_an_error():
     grads, xs = chunk_products(8, 8, (4, 4), torch.bfloat16, seed=0)
     acc = ResidualDW((8, 8), torch.bfloat16, DEVICE, n_chunks=2)
