@@ -94,14 +94,7 @@ def exact_mm_fp32(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor | None = N
 
 
 def dw_product(grad_logits: torch.Tensor, x: torch.Tensor, acc: torch.Tensor | None = None) -> torch.Tensor:
-    """``grad_logits^T x`` by ``exact_mm_fp32`` (summing chunk products in bf16 biases training). Experiment,
-    opt-in (``HF_FLCE_DW_FLOAT32_SUM=1``): a sum into ``acc`` on a Hopper GPU by ``hopper_dw``'s GEMM, whose float32
-    read-add-write overlaps its mainloop; measured slower than cuBLAS's ``addmm`` (docs/PERF_NOTES.md v36)."""
-    if acc is not None and x.device.type == "cuda" and os.environ.get("HF_FLCE_DW_FLOAT32_SUM", "0") == "1":
-        from .backends import hopper_dw
-
-        if hopper_dw.supports_float32(grad_logits, x, acc):
-            return hopper_dw.accumulate_float32(grad_logits, x, acc)
+    """``grad_logits^T x`` by ``exact_mm_fp32`` (summing chunk products in bf16 biases training)."""
     return exact_mm_fp32(grad_logits.t(), x, acc)
 
 

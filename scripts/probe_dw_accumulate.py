@@ -9,10 +9,7 @@ Four questions, one section each (CUDA only):
 - ``pingpong``: the warp-specialized Hopper kernel (``backends/hopper_dw.py``) against the Triton one and float64 on
   odd shapes (rows and V off every block size), one and three chunks;
 - ``engine``: fwd+bwd of the whole op at the default budget, residual on (Hopper kernel, Triton kernel) and off: time
-  ÷ the 3-GEMM floor and memory beyond the inputs and gradients;
-- ``float32``: the default's float32 dW sum by ``hopper_dw.accumulate_float32`` (the ping-pong GEMM with a float32
-  read-add-write epilogue) against cuBLAS's ``addmm``: its sums against float64 and ``addmm`` on odd shapes, then one
-  chunk's time at the chunk sizes the engine plans for each shape, over a few kernel options.
+  ÷ the 3-GEMM floor and memory beyond the inputs and gradients.
 
     python scripts/probe_dw_accumulate.py --out /tmp/probe_dw.json
 """
@@ -41,24 +38,7 @@ SHAPES = {
     "qwen2.5-7b": (152064, 3584, 8192),
     "mistral-7b": (32768, 4096, 8192),
     "qwen3-0.6b": (151936, 1024, 16384),
-    "gemma2-2b": (256000, 2304, 8192),
-    "gemma3-1b-sft": (262144, 1152, 6144),
 }
-# rows per chunk that the engine plans for these shapes at the op's 1 GiB and the in-model 512 MiB budgets
-FLOAT32_ROWS = {
-    "llama3-8b": (2048, 4096),
-    "qwen2.5-7b": (1755, 3511),
-    "mistral-7b": (4096,),
-    "qwen3-0.6b": (1766, 3277),
-    "gemma2-2b": (1024, 2048),
-    "gemma3-1b-sft": (980, 1416, 2048),
-}
-FLOAT32_OPTIONS = (
-    dict(stages=4, split=2),
-    dict(stages=5, split=4),
-    dict(stages=3, split=1),
-    dict(stages=4, split=2, group_m=16),
-)
 
 
 def time_ms(fn, warmup=3, reps=10) -> float:
@@ -266,73 +246,6 @@ def engine_section(shapes) -> list[dict]:
     return out
 
 
-def float32_check_section() -> list[dict]:
-    """``accumulate_float32``'s sums over three chunks (the first written, two added) against float64 and against
-    cuBLAS's ``addmm`` chain, on shapes off every block size, for each kernel option."""
-    from hf_flce.backends import hopper_dw
-
-    out = []
-    for v, h, rows in ((1000, 512, 1001), (2056, 384, 130), (4104, 256, 64), (8200, 1032, 700), (32000, 4096, 1639)):
-        torch.manual_seed(v + rows)
-        gs = [(torch.randn(rows, v, device=DEVICE) * 1e-3).bfloat16() for _ in range(3)]
-        xs = [torch.randn(rows, h, device=DEVICE).bfloat16() for _ in range(3)]
-        ref = sum(g.double().t() @ x.double() for g, x in zip(gs, xs))
-        cublas = torch.mm(gs[0].t(), xs[0], out_dtype=torch.float32)
-        for g, x in zip(gs[1:], xs[1:]):
-            torch.addmm(cublas, g.t(), x, out_dtype=torch.float32, out=cublas)
-        rec = dict(v=v, h=h, rows=rows, supported=hopper_dw.supports_float32(gs[0], xs[0], cublas))
-        rec["cublas_err"] = float((cublas.double() - ref).norm() / ref.norm())
-        for options in FLOAT32_OPTIONS:
-            label = ",".join(f"{k}{v}" for k, v in options.items())
-            total = torch.full((v, h), float("nan"), device=DEVICE)
-            for i, (g, x) in enumerate(zip(gs, xs)):
-                hopper_dw.accumulate_float32(g, x, total, first=i == 0, **options)
-            rec[f"{label}_err"] = float((total.double() - ref).norm() / ref.norm())
-            rec[f"{label}_max_abs_vs_cublas"] = float((total - cublas).abs().max())
-        print(json.dumps(rec), flush=True)
-        out.append(rec)
-    return out
-
-
-def float32_section(shapes) -> list[dict]:
-    """One chunk's ``G^T X`` at the engine's chunk sizes: cuBLAS with a bf16 output (nothing summed), writing a float32
-    sum (a first chunk), adding into one (a middle chunk), and ``accumulate_float32`` as a first and a middle chunk."""
-    out = []
-    for name in shapes:
-        for rows in FLOAT32_ROWS.get(name, (2048,)):
-            rec = float32_record(name, rows)
-            print(json.dumps(rec), flush=True)
-            out.append(rec)
-            torch.cuda.empty_cache()
-    return out
-
-
-def float32_record(name: str, rows: int) -> dict:
-    from hf_flce.backends import hopper_dw
-
-    v, h, _ = SHAPES[name]
-    g = (torch.randn(rows, v, device=DEVICE) * 1e-3).bfloat16()
-    x = torch.randn(rows, h, device=DEVICE).bfloat16()
-    total = torch.zeros(v, h, device=DEVICE)
-    rec = dict(shape=name, v=v, h=h, rows=rows)
-    rec["cublas_bf16_ms"] = time_ms(lambda: torch.mm(g.t(), x))
-    rec["cublas_first_ms"] = time_ms(lambda: torch.mm(g.t(), x, out_dtype=torch.float32))
-    rec["cublas_middle_ms"] = time_ms(lambda: torch.addmm(total, g.t(), x, out_dtype=torch.float32, out=total))
-    for options in FLOAT32_OPTIONS:
-        label = ",".join(f"{k}{v}" for k, v in options.items())
-        for pos in ("first", "middle"):
-            rec[f"{pos}_{label}_ms"] = try_time(
-                lambda p=pos, o=options: hopper_dw.accumulate_float32(g, x, total, first=p == "first", **o)
-            )
-    for pos in ("first", "middle"):
-        times = {k: t for k, t in rec.items() if k.startswith(pos + "_") and isinstance(t, float)}
-        best = min(times, key=times.get)
-        rec[f"best_{pos}"] = best
-        rec[f"best_{pos}_vs_cublas"] = times[best] / rec[f"cublas_{pos}_ms"]
-        rec[f"best_{pos}_vs_cublas_bf16"] = times[best] / rec["cublas_bf16_ms"]
-    return rec
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="probe_dw_accumulate.json")
@@ -350,9 +263,6 @@ def main() -> None:
         result["pingpong"] = pingpong_section()
     if "engine" in sections:
         result["engine"] = engine_section(shapes)
-    if "float32" in sections:
-        result["float32_check"] = float32_check_section()
-        result["float32"] = float32_section(shapes)
     Path(args.out).write_text(json.dumps(result, indent=1))
 
 

@@ -48,9 +48,6 @@
 15. ``trainer_stats``: fwd+bwd of the scalar loss alone and with the statistics ``FLCESFTTrainer`` logs every step
    (``return_stats=("entropy", "is_top1")``), timed in turns with the floor's three GEMMs, with each call's CUDA time
    per kernel: what TRL's ``entropy`` and ``mean_token_accuracy`` metrics cost the head.
-16. ``float32_sum``: fwd+bwd with dW's float32 sum across chunks by ``hopper_dw.accumulate_float32``
-   (``HF_FLCE_DW_FLOAT32_SUM=1``) against cuBLAS's ``addmm`` (the default), timed in turns, with each one's CUDA time per
-   kernel.
 """
 
 from __future__ import annotations
@@ -966,7 +963,6 @@ def main() -> None:
         queued=[],
         dx_rows=[],
         trainer_stats=[],
-        float32_sum=[],
     )
     for name in args.shapes.split(","):
         if "budget" in sections:
@@ -999,8 +995,6 @@ def main() -> None:
             result["dx_rows"].append(dx_rows(name))
         if "trainer_stats" in sections:
             result["trainer_stats"].append(trainer_stats(name))
-        if "float32_sum" in sections:
-            result["float32_sum"].append(switch_ab(name, "HF_FLCE_DW_FLOAT32_SUM"))
         torch.cuda.empty_cache()
     if "host" in sections:
         result["host"].append(host_per_call())

@@ -63,87 +63,6 @@ if AVAILABLE:
             lo_smem.store(gl.minimum(gl.maximum(q, -127.0), 127.0).to(gl.int8))
 
     @gluon.jit
-    def _residual_prefetch(epilogue, off_m, off_n, mine, FIRST: gl.constexpr, WHICH: gl.constexpr):
-        """At a tile's start: its ``hi``/``lo`` fetched by TMA (not for the first chunk), landing during the
-        mainloop."""
-        hi_desc, lo_desc, hi_bufs, lo_bufs, epi = epilogue
-        # the previous tile's TMA stores read the buffers: they must be done before the buffers are refilled
-        tma.store_wait(0)
-        if not FIRST:
-            epi_bar = epi.index(WHICH)
-            mbarrier.expect(epi_bar, hi_desc.block_type.nbytes + lo_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(hi_desc, [off_m, off_n], epi_bar, hi_bufs.index(WHICH))
-            tma.async_copy_global_to_shared(lo_desc, [off_m, off_n], epi_bar, lo_bufs.index(WHICH))
-
-    @gluon.jit
-    def _residual_finish(
-        acc,
-        epilogue,
-        off_m,
-        off_n,
-        mine,
-        FIRST: gl.constexpr,
-        LAST: gl.constexpr,
-        MANT: gl.constexpr,
-        MIN_EXP: gl.constexpr,
-        SPLIT: gl.constexpr,
-        WHICH: gl.constexpr,
-    ):
-        """``(hi, lo) += acc`` for the tile, in column slices (a whole tile of ``hi`` and ``lo`` next to the
-        accumulator would spill), then stored by TMA."""
-        hi_desc, lo_desc, hi_bufs, lo_bufs, epi = epilogue
-        hi_smem = hi_bufs.index(WHICH)
-        lo_smem = lo_bufs.index(WHICH)
-        width: gl.constexpr = hi_desc.block_type.shape[1] // SPLIT
-        if not FIRST:
-            mbarrier.wait(epi.index(WHICH), mine & 1)
-        parts = _split_columns(acc, SPLIT)
-        for i in gl.static_range(len(parts)):
-            hi_part = hi_smem.slice(i * width, width, dim=1)
-            lo_part = lo_smem.slice(i * width, width, dim=1)
-            _add_into_residual(parts[i], hi_part, lo_part, FIRST, LAST, MANT, MIN_EXP)
-        fence_async_shared()
-        tma.async_copy_shared_to_global(hi_desc, [off_m, off_n], hi_smem)
-        if not LAST:
-            tma.async_copy_shared_to_global(lo_desc, [off_m, off_n], lo_smem)
-
-    @gluon.jit
-    def _float32_prefetch(epilogue, off_m, off_n, mine, FIRST: gl.constexpr, WHICH: gl.constexpr):
-        """At a tile's start: the first column slice of its float32 sum fetched by TMA (not for the first chunk)."""
-        sum_desc, sum_bufs, epi = epilogue
-        tma.store_wait(0)
-        if not FIRST:
-            epi_bar = epi.index(WHICH)
-            mbarrier.expect(epi_bar, sum_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(sum_desc, [off_m, off_n], epi_bar, sum_bufs.index(WHICH))
-
-    @gluon.jit
-    def _float32_finish(
-        acc, epilogue, off_m, off_n, mine, FIRST: gl.constexpr, SPLIT: gl.constexpr, WHICH: gl.constexpr
-    ):
-        """``sum += acc`` for the tile, one column slice at a time through the consumer's one slice buffer: a slice
-        is loaded (the first during the mainloop), added, stored by TMA, and the buffer refilled with the next slice
-        once that store has read it. The other consumer's mainloop runs meanwhile."""
-        sum_desc, sum_bufs, epi = epilogue
-        sum_smem = sum_bufs.index(WHICH)
-        epi_bar = epi.index(WHICH)
-        width: gl.constexpr = sum_desc.block_type.shape[1]
-        parts = _split_columns(acc, SPLIT)
-        for i in gl.static_range(len(parts)):
-            total = parts[i]
-            if i > 0:
-                tma.store_wait(0)
-                if not FIRST:
-                    mbarrier.expect(epi_bar, sum_desc.block_type.nbytes)
-                    tma.async_copy_global_to_shared(sum_desc, [off_m, off_n + i * width], epi_bar, sum_smem)
-            if not FIRST:
-                mbarrier.wait(epi_bar, (mine * SPLIT + i) & 1)
-                total += sum_smem.load(total.type.layout)
-            sum_smem.store(total)
-            fence_async_shared()
-            tma.async_copy_shared_to_global(sum_desc, [off_m, off_n + i * width], sum_smem)
-
-    @gluon.jit
     def _consumer_partition(
         mainloop,
         epilogue,
@@ -153,17 +72,21 @@ if AVAILABLE:
         MANT: gl.constexpr,
         MIN_EXP: gl.constexpr,
         SPLIT: gl.constexpr,
-        FLOAT32_SUM: gl.constexpr,
         WHICH: gl.constexpr,
     ):
-        """Consumer ``WHICH`` (0 or 1): the mainloop and epilogue of every other tile of this program. The epilogue
-        sums into ``(hi, lo)`` or, with ``FLOAT32_SUM``, into a float32 ``[M, N]`` sum."""
-        g_desc, x_desc, a_bufs, b_bufs, ready, empty, turn = mainloop
+        """Consumer ``WHICH`` (0 or 1): the mainloop and epilogue of every other tile of this program."""
+        g_desc, a_bufs, b_bufs, ready, empty, turn = mainloop
+        hi_desc, lo_desc, hi_bufs, lo_bufs, epi = epilogue
         M, N, K, GROUP_M = sizes
         BK: gl.constexpr = g_desc.block_type.shape[0]
-        BM: gl.constexpr = g_desc.block_type.shape[1]
-        BN: gl.constexpr = x_desc.block_type.shape[1]
+        BM: gl.constexpr = hi_desc.block_type.shape[0]
+        BN: gl.constexpr = hi_desc.block_type.shape[1]
         acc_layout: gl.constexpr = hopper_pingpong.accumulator_layout(BN)
+        hi_smem = hi_bufs.index(WHICH)
+        lo_smem = lo_bufs.index(WHICH)
+        epi_bar = epi.index(WHICH)
+        epi_bytes: gl.constexpr = hi_desc.block_type.nbytes + lo_desc.block_type.nbytes
+        width: gl.constexpr = BN // SPLIT
         tiles_m = gl.cdiv(M, BM)
         k_steps = gl.cdiv(K, BK)
         per_group = GROUP_M * gl.cdiv(N, BN)
@@ -173,59 +96,30 @@ if AVAILABLE:
             pid_m, pid_n = _grouped_block(tile, tiles_m, per_group, GROUP_M)
             off_m = pid_m * BM
             off_n = pid_n * BN
-            if FLOAT32_SUM:
-                _float32_prefetch(epilogue, off_m, off_n, mine, FIRST, WHICH)
-            else:
-                _residual_prefetch(epilogue, off_m, off_n, mine, FIRST, WHICH)
+            # the previous tile's TMA stores read hi_smem/lo_smem: they must be done before the buffers are refilled
+            tma.store_wait(0)
+            if not FIRST:
+                mbarrier.expect(epi_bar, epi_bytes)
+                tma.async_copy_global_to_shared(hi_desc, [off_m, off_n], epi_bar, hi_smem)
+                tma.async_copy_global_to_shared(lo_desc, [off_m, off_n], epi_bar, lo_smem)
+
             acc = gl.zeros([BM, BN], gl.float32, acc_layout)
             acc = hopper_pingpong.mainloop(a_bufs, b_bufs, ready, empty, turn, acc, k_steps, mine, False, False, WHICH)
-            if FLOAT32_SUM:
-                _float32_finish(acc, epilogue, off_m, off_n, mine, FIRST, SPLIT, WHICH)
-            else:
-                _residual_finish(acc, epilogue, off_m, off_n, mine, FIRST, LAST, MANT, MIN_EXP, SPLIT, WHICH)
+
+            # the epilogue in column slices: a whole tile of hi and lo next to the accumulator would spill
+            if not FIRST:
+                mbarrier.wait(epi_bar, mine & 1)
+            parts = _split_columns(acc, SPLIT)
+            for i in gl.static_range(len(parts)):
+                hi_part = hi_smem.slice(i * width, width, dim=1)
+                lo_part = lo_smem.slice(i * width, width, dim=1)
+                _add_into_residual(parts[i], hi_part, lo_part, FIRST, LAST, MANT, MIN_EXP)
+            fence_async_shared()
+            tma.async_copy_shared_to_global(hi_desc, [off_m, off_n], hi_smem)
+            if not LAST:
+                tma.async_copy_shared_to_global(lo_desc, [off_m, off_n], lo_smem)
             mine += 1
         tma.store_wait(0)
-
-    @gluon.jit
-    def _pingpong_body(
-        g_desc,
-        x_desc,
-        epilogue,
-        M,
-        N,
-        K,
-        FIRST: gl.constexpr,
-        LAST: gl.constexpr,
-        MANT: gl.constexpr,
-        MIN_EXP: gl.constexpr,
-        SPLIT: gl.constexpr,
-        FLOAT32_SUM: gl.constexpr,
-        GROUP_M: gl.constexpr,
-        STAGES: gl.constexpr,
-    ):
-        """The ring, the two consumers and the loader warp, for either epilogue."""
-        a_bufs, b_bufs, ready, empty, turn = hopper_pingpong.allocate_ring(g_desc, x_desc, STAGES)
-        mainloop = (g_desc, x_desc, a_bufs, b_bufs, ready, empty, turn)
-        sizes = (M, N, K, GROUP_M)
-        gl.warp_specialize(
-            [
-                (_consumer_partition, (mainloop, epilogue, sizes, FIRST, LAST, MANT, MIN_EXP, SPLIT, FLOAT32_SUM, 0)),
-                (_consumer_partition, (mainloop, epilogue, sizes, FIRST, LAST, MANT, MIN_EXP, SPLIT, FLOAT32_SUM, 1)),
-                (
-                    hopper_pingpong.load_partition,
-                    (g_desc, x_desc, a_bufs, b_bufs, ready, empty, M, N, K, GROUP_M, False, False),
-                ),
-            ],
-            [4, 1],
-            [232, 40],
-        )
-
-    @gluon.jit
-    def _epilogue_barriers():
-        epi = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(2):
-            mbarrier.init(epi.index(i), count=1)
-        return epi
 
     @gluon.jit
     def _dw_pingpong_kernel(
@@ -245,29 +139,27 @@ if AVAILABLE:
         SPLIT: gl.constexpr,
     ):
         """``(hi, lo) += g^T x`` for ``g`` ``[K, M]`` and ``x`` ``[K, N]`` (see ``triton_dw._dw_accumulate_kernel``)."""
+        a_bufs, b_bufs, ready, empty, turn = hopper_pingpong.allocate_ring(g_desc, x_desc, STAGES)
         hi_bufs = gl.allocate_shared_memory(hi_desc.dtype, [2] + hi_desc.block_type.shape, hi_desc.layout)
         lo_bufs = gl.allocate_shared_memory(lo_desc.dtype, [2] + lo_desc.block_type.shape, lo_desc.layout)
-        epilogue = (hi_desc, lo_desc, hi_bufs, lo_bufs, _epilogue_barriers())
-        _pingpong_body(g_desc, x_desc, epilogue, M, N, K, FIRST, LAST, MANT, MIN_EXP, SPLIT, False, GROUP_M, STAGES)
-
-    @gluon.jit
-    def _dw_float32_kernel(
-        g_desc,
-        x_desc,
-        sum_desc,
-        M,
-        N,
-        K,
-        FIRST: gl.constexpr,
-        GROUP_M: gl.constexpr,
-        STAGES: gl.constexpr,
-        SPLIT: gl.constexpr,
-    ):
-        """``sum += g^T x`` (``sum = g^T x`` when ``FIRST``) for ``g`` ``[K, M]``, ``x`` ``[K, N]`` and a float32
-        ``sum`` ``[M, N]``; ``sum_desc``'s tiles are one column slice of an output tile."""
-        sum_bufs = gl.allocate_shared_memory(gl.float32, [2] + sum_desc.block_type.shape, sum_desc.layout)
-        epilogue = (sum_desc, sum_bufs, _epilogue_barriers())
-        _pingpong_body(g_desc, x_desc, epilogue, M, N, K, FIRST, False, 0, 0, SPLIT, True, GROUP_M, STAGES)
+        epi = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(epi.index(i), count=1)
+        mainloop = (g_desc, a_bufs, b_bufs, ready, empty, turn)
+        epilogue = (hi_desc, lo_desc, hi_bufs, lo_bufs, epi)
+        sizes = (M, N, K, GROUP_M)
+        gl.warp_specialize(
+            [
+                (_consumer_partition, (mainloop, epilogue, sizes, FIRST, LAST, MANT, MIN_EXP, SPLIT, 0)),
+                (_consumer_partition, (mainloop, epilogue, sizes, FIRST, LAST, MANT, MIN_EXP, SPLIT, 1)),
+                (
+                    hopper_pingpong.load_partition,
+                    (g_desc, x_desc, a_bufs, b_bufs, ready, empty, M, N, K, GROUP_M, False, False),
+                ),
+            ],
+            [4, 1],
+            [232, 40],
+        )
 
 
 def supports(grad_logits: torch.Tensor, x_chunk: torch.Tensor, hi: torch.Tensor) -> bool:
@@ -327,56 +219,3 @@ def accumulate(
             num_warps=4,
             maxnreg=168,
         )
-
-
-def supports_float32(grad_logits: torch.Tensor, x_chunk: torch.Tensor, total: torch.Tensor) -> bool:
-    """Whether ``accumulate_float32`` can take the chunk: Gluon present, a Hopper GPU, 16-bit operands of one dtype,
-    a float32 sum, and rows that TMA can address."""
-    return (
-        grad_logits.shape[0] > 0
-        and grad_logits.dtype == x_chunk.dtype
-        and grad_logits.dtype in (torch.bfloat16, torch.float16)
-        and total.dtype == torch.float32
-        and hopper_pingpong.usable(grad_logits, x_chunk, total)
-    )
-
-
-def accumulate_float32(
-    grad_logits: torch.Tensor,
-    x_chunk: torch.Tensor,
-    total: torch.Tensor,
-    first: bool = False,
-    stages: int = 4,
-    group_m: int = 8,
-    split: int = 2,
-) -> torch.Tensor:
-    """``total += grad_logits^T x_chunk`` (``total =`` when ``first``) in float32, for ``[rows, M]`` and
-    ``[rows, N]`` 16-bit operands and a float32 ``[M, N]`` sum; returns ``total``. Only where ``supports_float32``
-    holds.
-
-    cuBLAS's float32 ``addmm`` reads and writes the sum (8 bytes per element) after its mainloop, and on a thin head
-    with a large vocabulary that traffic takes as long as the arithmetic (docs/PERF_NOTES.md v35). Here one
-    consumer's read-add-write runs under the other's mainloop."""
-    rows, m = grad_logits.shape
-    n = x_chunk.shape[1]
-    desc = hopper_pingpong.descriptor
-    g_desc = desc(grad_logits, [BK, BM])
-    x_desc = desc(x_chunk, [BK, BN])
-    sum_desc = desc(total, [BM, BN // split])
-    programs = hopper_pingpong.programs(total.device, m, n, BM, BN)
-    with torch.cuda.device(total.device):
-        _dw_float32_kernel[(programs,)](
-            g_desc,
-            x_desc,
-            sum_desc,
-            m,
-            n,
-            rows,
-            FIRST=first,
-            GROUP_M=group_m,
-            STAGES=stages,
-            SPLIT=split,
-            num_warps=4,
-            maxnreg=168,
-        )
-    return total

@@ -51,11 +51,9 @@ def usable(*tensors: torch.Tensor) -> bool:
 
 
 def descriptor(t: torch.Tensor, block: list[int]):
-    """A host-side TMA descriptor of ``t`` (bf16, fp16, int8 or float32) for ``block``-shaped tiles, with the
-    default shared-memory layout."""
-    elem = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.int8: gl.int8, torch.float32: gl.float32}[
-        t.dtype
-    ]
+    """A host-side TMA descriptor of ``t`` (bf16, fp16 or int8) for ``block``-shaped tiles, with the default
+    shared-memory layout."""
+    elem = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.int8: gl.int8}[t.dtype]
     layout = gl.NVMMASharedLayout.get_default_for(block, elem)
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
