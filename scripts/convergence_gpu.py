@@ -15,6 +15,7 @@ Usage (from the repository root, ``make test-convergence-gpu``)::
 
     python scripts/convergence_gpu.py --out outputs/convergence/gpu   # ~2-3 min on one H100
     python scripts/convergence_gpu.py --models llama-32k --steps 50   # a shorter run
+    python scripts/convergence_gpu.py --preset gemma --seed 1         # Gemma 2 (logit cap 30) and Gemma 3 heads
     python scripts/convergence_gpu.py --device cpu --preset smoke     # CPU smoke test of the script itself
 
 Writes ``<out>/gpu.json`` (curves and summary; ``scripts/convergence_report.py`` plots it); exits 1 on a failure.
@@ -50,7 +51,11 @@ from hf_flce import apply_flce  # noqa: E402
 
 TOL = TOLERANCES["bf16-gpu"]
 # Run lengths of each preset (the command line overrides them): 200 steps of 2 x 8 x 512 = 8192 tokens.
-RUNS = {"default": dict(steps=200, seq=512, micro_batch=8), "smoke": dict(steps=5, seq=32, micro_batch=4)}
+RUNS = {
+    "default": dict(steps=200, seq=512, micro_batch=8),
+    "gemma": dict(steps=200, seq=512, micro_batch=8),
+    "smoke": dict(steps=5, seq=32, micro_batch=4),
+}
 # name -> (family, model settings). 4 layers, realistic vocabularies and widths.
 PRESETS: dict[str, dict[str, tuple[str, dict]]] = {
     "default": {
@@ -65,9 +70,27 @@ PRESETS: dict[str, dict[str, tuple[str, dict]]] = {
                  num_key_value_heads=8, head_dim=64, tie_word_embeddings=True),
         ),
     },
+    # Gemma heads (make test-convergence-gpu runs the default preset only): gemma3-262k-tied meets the loss-curve
+    # and parameter checks at some seeds and not at others (docs/PERF_NOTES.md v36)
+    "gemma": {
+        # Gemma 2's final-logit cap of 30 (the epilogue's hardware tanh) on its 256k vocabulary
+        "gemma2-256k-softcap": (
+            "gemma2-softcap",
+            dict(vocab_size=256000, hidden_size=1152, intermediate_size=3072, num_layers=4, num_attention_heads=8,
+                 num_key_value_heads=4, head_dim=128, final_logit_softcapping=30.0),
+        ),
+        # Gemma 3 1B's head (V = 2^18, H = 1152, tied) on a 4-layer body
+        "gemma3-262k-tied": (
+            "gemma3-tied",
+            dict(vocab_size=262144, hidden_size=1152, intermediate_size=3072, num_layers=4, num_attention_heads=4,
+                 num_key_value_heads=1, head_dim=256),
+        ),
+    },
     "smoke": {
         "llama-smoke": ("llama", dict(vocab_size=2048, hidden_size=64, num_layers=2)),
         "qwen3-smoke-tied": ("qwen3", dict(vocab_size=4096, hidden_size=64, num_layers=2, tie_word_embeddings=True)),
+        "gemma2-smoke-softcap": ("gemma2-softcap", dict(vocab_size=4096, hidden_size=64, num_layers=2)),
+        "gemma3-smoke-tied": ("gemma3-tied", dict(vocab_size=4096, hidden_size=64, num_layers=2)),
     },
 }  # fmt: skip
 
@@ -91,9 +114,11 @@ def synthetic_rows(vocab: int, rows: int, seq: int, seed: int) -> Batch:
     return {"input_ids": torch.where(attention, ids, 0), "attention_mask": attention.long(), "labels": labels}
 
 
-def make_steps(vocab: int, steps: int, accum: int, micro: int, seq: int) -> tuple[list[list[Batch]], Batch]:
+def make_steps(
+    vocab: int, steps: int, accum: int, micro: int, seq: int, seed: int = 0
+) -> tuple[list[list[Batch]], Batch]:
     """``steps`` optimizer steps of ``accum`` micro-batches, and a held-out batch of ``micro`` rows."""
-    data = synthetic_rows(vocab, (steps * accum + 1) * micro, seq, seed=0)
+    data = synthetic_rows(vocab, (steps * accum + 1) * micro, seq, seed=seed)
     micro_batches = [{k: v[i : i + micro] for k, v in data.items()} for i in range(0, steps * accum * micro, micro)]
     held_out = {k: v[-micro:] for k, v in data.items()}
     return [micro_batches[i : i + accum] for i in range(0, len(micro_batches), accum)], held_out
@@ -103,8 +128,8 @@ def run_model(name: str, family: str, settings: dict, args: argparse.Namespace) 
     device = torch.device(args.device)
     vocab = settings["vocab_size"]
     started = time.perf_counter()
-    steps, held_out = make_steps(vocab, args.steps, args.accum, args.micro_batch, args.seq)
-    base = build_model(family, **settings)
+    steps, held_out = make_steps(vocab, args.steps, args.accum, args.micro_batch, args.seq, args.seed)
+    base = build_model(family, **settings, seed=args.seed)
     print(f"[{name}] {sum(p.numel() for p in base.parameters()) / 1e6:.0f}M parameters, data in "
           f"{time.perf_counter() - started:.1f}s", flush=True)  # fmt: skip
     runs, logprobs = {}, {}
@@ -168,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--accum", type=int, default=2)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--seed", type=int, default=0, help="of the synthetic data and the initial weights")
     args = parser.parse_args(argv)
     for key, value in RUNS[args.preset].items():
         if getattr(args, key) is None:
