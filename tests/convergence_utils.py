@@ -110,7 +110,7 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict]] = {
         "Gemma2Config",
         dict(head_dim=16, final_logit_softcapping=5.0, tie_word_embeddings=True, attn_implementation="eager"),
     ),
-    # Gemma 3's text model (model type gemma3_text): no logit cap, sliding-window layers, tied embeddings
+    # Gemma 3's text model (model type gemma3_text): no logit cap, tied embeddings
     "gemma3-tied": ("Gemma3TextConfig", dict(head_dim=16, tie_word_embeddings=True)),
 }
 
