@@ -5,7 +5,10 @@ For each model, three runs start from the same weights and see the same batches:
 ``Trainer(bf16=True)``). The check (``TOLERANCES["bf16-gpu"]`` in ``tests/convergence_utils.py``): ours' distance
 to the fp32 run is at most stock bf16's, for the loss curve (mean relative difference over steps) and for the final
 parameters (relative L2 distance), and ours' mean loss distance stays under a sanity bound. Distances of held-out
-log-probs and the time per step are reported too.
+log-probs, the time per step and each run's first-step gradient error against fp32 (head weight, all parameters) are
+reported too. The trajectories' distances are mostly the body's bf16 error, shared by both bf16 runs and amplified by
+training: their ratio moves by ±30% with the seed and the GPU (docs/PERF_NOTES.md v36), while one step's gradients
+compare the heads without that noise.
 
 Data: a synthetic language over the whole vocabulary, generated here: Zipf-distributed tokens, half of which
 always have the same successor (near-deterministic targets, where bf16 logits lose most), variable lengths with
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
 import sys
 import time
 from pathlib import Path
@@ -40,6 +44,7 @@ from convergence_utils import (  # noqa: E402
     TOLERANCES,
     Batch,
     build_model,
+    count_targets,
     eval_logprobs,
     loss_curve_distance,
     parameter_distance,
@@ -56,6 +61,8 @@ RUNS = {
     "gemma": dict(steps=200, seq=512, micro_batch=8),
     "smoke": dict(steps=5, seq=32, micro_batch=4),
 }
+# (label, autocast dtype, fused): the three runs of each model
+VARIANTS = (("fp32", None, False), ("stock", torch.bfloat16, False), ("ours", torch.bfloat16, True))
 # name -> (family, model settings). 4 layers, realistic vocabularies and widths.
 PRESETS: dict[str, dict[str, tuple[str, dict]]] = {
     "default": {
@@ -124,6 +131,35 @@ def make_steps(
     return [micro_batches[i : i + accum] for i in range(0, len(micro_batches), accum)], held_out
 
 
+def first_step_gradient_error(base: torch.nn.Module, batch: Batch, device: torch.device) -> dict[str, dict[str, float]]:
+    """One micro-batch's gradients at the initial weights, stock and ours under bf16 autocast, against stock fp32's:
+    ``‖g - g_fp32‖ / ‖g_fp32‖`` for the output head's weight (the embedding when tied) and for all parameters.
+    Deterministic where the trajectories are not: the same weights and batch for the three."""
+    num_items = count_targets(batch["labels"]).to(device)
+    grads = {}
+    for label, dtype, fused in VARIANTS:
+        model = copy.deepcopy(base).to(device)
+        model.train()
+        if fused:
+            apply_flce(model)
+        with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+            model(**{k: v.to(device) for k, v in batch.items()}, num_items_in_batch=num_items).loss.backward()
+        head = model.get_output_embeddings().weight
+        grads[label] = {"head": head.grad.float(), "all": [p.grad.float() for p in model.parameters()]}
+        del model
+    ref = grads.pop("fp32")
+
+    def rel(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+        num = sum(float((x.double() - y.double()).pow(2).sum()) for x, y in zip(a, b, strict=True))
+        return math.sqrt(num / sum(float(y.double().pow(2).sum()) for y in b))
+
+    return {
+        part: {label: rel(g[part] if part == "all" else [g[part]], ref[part] if part == "all" else [ref[part]])
+               for label, g in grads.items()}
+        for part in ("head", "all")
+    }  # fmt: skip
+
+
 def run_model(name: str, family: str, settings: dict, args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
     vocab = settings["vocab_size"]
@@ -132,9 +168,14 @@ def run_model(name: str, family: str, settings: dict, args: argparse.Namespace) 
     base = build_model(family, **settings, seed=args.seed)
     print(f"[{name}] {sum(p.numel() for p in base.parameters()) / 1e6:.0f}M parameters, data in "
           f"{time.perf_counter() - started:.1f}s", flush=True)  # fmt: skip
+    # reported, not checked: the trajectories' distances below are mostly the body's bf16 error, which both runs
+    # share, amplified by training (docs/PERF_NOTES.md v36); one step's gradients are not
+    gradient_error = first_step_gradient_error(base, steps[0][0], device)
+    print(f"[{name}] first-step gradient error vs fp32, stock / ours: head "
+          f"{gradient_error['head']['stock']:.3e} / {gradient_error['head']['ours']:.3e}, all parameters "
+          f"{gradient_error['all']['stock']:.3e} / {gradient_error['all']['ours']:.3e}", flush=True)  # fmt: skip
     runs, logprobs = {}, {}
-    variants = (("fp32", None, False), ("stock", torch.bfloat16, False), ("ours", torch.bfloat16, True))
-    for label, dtype, fused in variants:
+    for label, dtype, fused in VARIANTS:
         model = copy.deepcopy(base).to(device)
         if fused:
             apply_flce(model)
@@ -172,6 +213,7 @@ def run_model(name: str, family: str, settings: dict, args: argparse.Namespace) 
         "summary": {
             "distance_to_fp32": distance,
             "ratio_ours_to_stock": {k: v["ours"] / v["stock"] if v["stock"] else None for k, v in distance.items()},
+            "first_step_gradient_error": gradient_error,
             "ms_per_step": {k: 1e3 * r.seconds_per_step for k, r in runs.items()},
             "peak_gib": {k: r.peak_gib for k, r in runs.items()},
             "tokens_per_step": args.accum * args.micro_batch * args.seq,
