@@ -396,6 +396,83 @@ def test_gemma_family_class_patch_and_softcap():
         apply_flce_to_gemma(make_model("LlamaForCausalLM"))
 
 
+# A tiny Gemma 3 vision-language model: a one-layer SigLIP tower, 4 image tokens (id 150) per 16x16 image.
+IMAGE_TOKEN = 150
+VISION = dict(
+    hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=16, patch_size=4
+)
+
+
+def make_vision_language_model(tie: bool = True) -> torch.nn.Module:
+    config = transformers.Gemma3Config(
+        text_config=dict(BASE, head_dim=8),
+        vision_config=VISION,
+        mm_tokens_per_image=4,
+        image_token_index=IMAGE_TOKEN,
+        boi_token_index=151,
+        eoi_token_index=152,
+        tie_word_embeddings=tie,
+    )
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(config).train()
+    assert (model.lm_head.weight is model.model.language_model.embed_tokens.weight) == tie
+    return model
+
+
+def image_batch() -> dict[str, torch.Tensor]:
+    """Two rows of 16 tokens with an image at positions 2-5, its tokens and the prompt before it unscored."""
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(1, 140, (2, 16), generator=gen)
+    ids[:, 2:6] = IMAGE_TOKEN
+    labels = ids.clone()
+    labels[:, :6] = -100
+    labels[1, 11] = -100
+    pixel_values = torch.randn(2, 3, 16, 16, generator=gen)
+    return dict(input_ids=ids, pixel_values=pixel_values, token_type_ids=(ids == IMAGE_TOKEN).long(), labels=labels)
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("variant", ["labels", "num_items_tensor", "shift_labels", "logits_to_keep"])
+def test_vision_language_loss_and_gradients_match_stock(variant, tie):
+    """``Gemma3ForConditionalGeneration``: the fused loss and every gradient (the vision tower's included) as stock's,
+    with the image's hidden states returned as stock returns them."""
+    stock = make_vision_language_model(tie)
+    patched = apply_flce(copy.deepcopy(stock))
+    inputs = image_batch()
+    inputs.update(_variant(variant, inputs["labels"]))
+    stock_inputs = {k: v.contiguous() if k == "shift_labels" else v for k, v in inputs.items()}
+    out, ref = assert_same_training(patched, stock, stock_inputs, **inputs)
+    assert type(out) is type(ref)
+    assert out.image_hidden_states is not None
+    torch.testing.assert_close(out.image_hidden_states, ref.image_hidden_states, rtol=0, atol=0)
+
+
+def test_vision_language_stock_paths_signature_and_class_patch():
+    """Without labels, in evaluation and with ``return_dict=False`` the vision-language model is stock's; its forward
+    keeps stock's signature (``Trainer`` keeps ``pixel_values``/``token_type_ids`` columns by it); a class patch reaches
+    new instances and reverts."""
+    stock = make_vision_language_model()
+    patched = apply_flce_to_gemma(copy.deepcopy(stock))
+    assert inspect.signature(patched.forward) == inspect.signature(stock.forward)
+    inputs = image_batch()
+    unlabelled = {k: v for k, v in inputs.items() if k != "labels"}
+    with torch.no_grad():
+        torch.testing.assert_close(patched(**unlabelled).logits, stock(**unlabelled).logits, rtol=0, atol=0)
+        text_only = dict(input_ids=inputs["input_ids"].clamp(max=139), labels=inputs["labels"])
+        torch.testing.assert_close(patched(**text_only).loss, stock(**text_only).loss, rtol=1e-5, atol=0)
+        loss, *_ = patched(**inputs, return_dict=False)
+        torch.testing.assert_close(loss, stock(**inputs).loss, rtol=1e-5, atol=0)
+        patched.eval()
+        assert patched(**inputs).logits is not None
+    deferred = apply_flce(make_vision_language_model(), defer_head_grad=True)
+    assert_same_training(deferred, make_vision_language_model(), **inputs)
+    apply_flce_to_gemma()
+    fresh = make_vision_language_model()
+    assert fresh(**inputs).logits is None
+    revert_flce()
+    assert fresh(**inputs).logits is not None
+
+
 def test_instance_apply_twice_and_revert():
     patched, stock = patched_pair("MistralForCausalLM")
     apply_flce_to_mistral(patched)

@@ -16,7 +16,15 @@ from typing import TypedDict, TypeVar
 from torch import nn
 from typing_extensions import Unpack
 
-from .forward import FUSED_FORWARDS, STATE_ATTR, PatchOptions, PatchState, causal_lm_forward, moe_causal_lm_forward
+from .forward import (
+    FUSED_FORWARDS,
+    STATE_ATTR,
+    PatchOptions,
+    PatchState,
+    causal_lm_forward,
+    moe_causal_lm_forward,
+    multimodal_forward,
+)
 from .registry import (
     ALL_TARGETS,
     FAMILIES,
@@ -26,6 +34,7 @@ from .registry import (
     find_target,
     load_class,
     loaded_classes,
+    output_class,
     stock_forward,
     supported_classes,
 )
@@ -163,11 +172,13 @@ def apply_flce_to_mistral(model: M | None = None, **options: Unpack[PatchKwargs]
 
 
 def apply_flce_to_gemma(model: M | None = None, **options: Unpack[PatchKwargs]) -> M | None:
-    """Patch ``GemmaForCausalLM``, ``Gemma2ForCausalLM`` and ``Gemma3ForCausalLM`` (this instance, or the classes).
+    """Patch ``GemmaForCausalLM``, ``Gemma2ForCausalLM``, ``Gemma3ForCausalLM`` and the vision-language
+    ``Gemma3ForConditionalGeneration`` (Gemma 3 4B-27B) (this instance, or the classes).
 
     The fused loss applies the config's ``final_logit_softcapping`` (``cap * tanh(logits / cap)``: 30 in Gemma 2's
-    configs; Gemma 3's leave it unset) as stock does, in float32 inside the op. The multimodal ``Gemma3ForConditionalGeneration`` is not covered. Options:
-    :func:`apply_flce`.
+    configs; Gemma 3's leave it unset) as stock does, in float32 inside the op. ``Gemma3ForConditionalGeneration``
+    keeps its stock signature and passes ``pixel_values``, ``token_type_ids`` and the labels to its model as stock
+    does; the fused loss is its text model's. Options: :func:`apply_flce`.
 
     Example:
         >>> import torch
@@ -254,11 +265,18 @@ def _apply(families: tuple[str, ...], model: M | None, options: PatchKwargs, cal
 
 
 def _fused_forward(target: Target):
+    if target.output:
+        return multimodal_forward(stock_forward(load_class(target)))
     return moe_causal_lm_forward if target.moe else causal_lm_forward
 
 
 def _state(cls: type, target: Target, options: PatchOptions | None) -> PatchState:
-    return PatchState(options=options, stock_forward=stock_forward(cls), aux_loss=aux_loss_function(target))
+    return PatchState(
+        options=options,
+        stock_forward=stock_forward(cls),
+        aux_loss=aux_loss_function(target),
+        output_class=output_class(target),
+    )
 
 
 def _func(method: object) -> object:

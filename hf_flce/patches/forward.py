@@ -1,13 +1,18 @@
-"""The fused causal-LM forward shared by every patched class, and its MoE variant.
+"""The fused causal-LM forward shared by every patched class, its MoE variant and its vision-language variant.
 
 In transformers 5.x the dense ``*ForCausalLM.forward`` bodies are identical across the supported classes, and so are
-the MoE ones; these two functions reproduce them with the ``lm_head`` matmul and the loss replaced by
-:func:`hf_flce.fused_linear_cross_entropy`. Whenever logits are needed (no labels, evaluation, an adapter on
+the MoE ones; these functions reproduce them with the ``lm_head`` matmul and the loss replaced by
+:func:`hf_flce.fused_linear_cross_entropy`. A vision-language ``*ForConditionalGeneration`` has the dense body with
+its own inputs (pixel values, token types) passed to its ``model`` and its own output class: its fused forward is
+made from its stock one (:func:`multimodal_forward`). Whenever logits are needed (no labels, evaluation, an adapter on
 ``lm_head``) they call the class's stock forward instead, so those paths are stock by construction.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import inspect
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -70,6 +75,8 @@ class PatchState:
     options: PatchOptions | None
     stock_forward: Callable
     aux_loss: Callable | None = None
+    # a vision-language class: its stock output class (the fused forward returns one, with the body's extra fields)
+    output_class: type | None = None
 
 
 def _warn_once(key: str, message: str) -> None:
@@ -171,6 +178,8 @@ def _forward(
     if options is None:
         return state.stock_forward(self, **inputs, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
     late = LateHeadGrad.start(self.lm_head) if options.defer_head_grad else None  # before the layers' autograd nodes
+    if state.output_class is not None and _body_takes_labels(type(self.model)):
+        inputs["labels"] = labels  # as the stock vision-language forward passes them
     outputs = self.model(**inputs, **kwargs)
     hidden = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
     loss = _fused_loss(self, hidden, labels, options, kwargs, late)
@@ -180,6 +189,9 @@ def _forward(
         hidden_states=outputs.hidden_states,
         attentions=outputs.attentions,
     )
+    if state.output_class is not None:
+        extra = {f.name: getattr(outputs, f.name, None) for f in dataclasses.fields(state.output_class)}
+        return state.output_class(**{**extra, "loss": loss, **fields})
     if state.aux_loss is None:
         return CausalLMOutputWithPast(loss=loss, **fields)
     aux_loss = None
@@ -234,4 +246,51 @@ def moe_causal_lm_forward(
     )  # fmt: skip
 
 
-FUSED_FORWARDS = (causal_lm_forward, moe_causal_lm_forward)
+@functools.cache
+def _body_takes_labels(body_class: type) -> bool:
+    return "labels" in inspect.signature(body_class.forward).parameters
+
+
+# the arguments of the shared body (``_forward``) besides ``self``; a vision-language forward's others go to its model
+_BODY_ARGUMENTS = (
+    "input_ids", "attention_mask", "position_ids", "past_key_values", "inputs_embeds", "labels", "use_cache",
+    "logits_to_keep",
+)  # fmt: skip
+
+
+@functools.cache
+def multimodal_forward(stock: Callable) -> Callable:
+    """The fused forward of a vision-language class whose stock forward is ``stock``: the dense forward, with the
+    class's other inputs (``pixel_values``, ``token_type_ids``, ...) passed to its model and its output class. It has
+    ``stock``'s signature, which ``Trainer`` reads to keep the dataset columns the model takes."""
+    signature = inspect.signature(stock)
+    defaults = {name: p.default for name, p in signature.parameters.items() if name in _BODY_ARGUMENTS}
+    missing = set(_BODY_ARGUMENTS) - set(defaults)
+    if missing:
+        raise TypeError(f"{stock.__qualname__} takes no {sorted(missing)}: not a causal vision-language forward")
+
+    @can_return_tuple
+    def forward(self, *args, **kwargs):
+        bound = signature.bind(self, *args, **kwargs).arguments
+        bound.pop(next(iter(signature.parameters)))  # self
+        rest = {}
+        for name, value in bound.items():
+            kind = signature.parameters[name].kind
+            if kind is inspect.Parameter.VAR_KEYWORD:
+                rest.update(value)
+            elif name not in _BODY_ARGUMENTS:
+                rest[name] = value
+        body = [bound.get(name, defaults[name]) for name in _BODY_ARGUMENTS]
+        return _forward(self, *body, **rest)
+
+    forward.__signature__ = signature
+    forward.__doc__ = (
+        f"Stock ``{stock.__qualname__}``, except that a training call with labels returns the fused loss and no "
+        "logits. ``skip_logits=True/False`` (keyword) forces the fused or the stock path for one call."
+    )
+    FUSED_FORWARDS.add(forward)
+    return forward
+
+
+# every fused forward: the shared two, and the vision-language ones as they are made
+FUSED_FORWARDS: set[Callable] = {causal_lm_forward, moe_causal_lm_forward}

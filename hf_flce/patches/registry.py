@@ -13,12 +13,15 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Target:
-    """One supported causal-LM class: ``transformers.models.<model_type>.modeling_<model_type>.<class_name>``."""
+    """One supported causal-LM class: ``transformers.models.<model_type>.modeling_<model_type>.<class_name>``; a
+    vision-language one (``output`` set) returns the text model's loss and its own output class."""
 
     model_type: str
     class_name: str
     moe: bool = False
     package: str = ""  # the ``transformers.models`` folder, where it is not named after ``model_type``
+    # a vision-language class: its stock forward's output class, in the same module
+    output: str = ""
 
     @property
     def module(self) -> str:
@@ -39,11 +42,12 @@ FAMILIES: dict[str, tuple[Target, ...]] = {
         Target("mixtral", "MixtralForCausalLM", moe=True),
     ),
     # Gemma 2 caps its logits (``config.final_logit_softcapping``; Gemma 3's config has the field, unset), which the
-    # fused forward passes to the op
+    # fused forward passes to the op. Gemma 3's 4B-27B checkpoints are vision-language models.
     "gemma": (
         Target("gemma", "GemmaForCausalLM"),
         Target("gemma2", "Gemma2ForCausalLM"),
         Target("gemma3_text", "Gemma3ForCausalLM", package="gemma3"),
+        Target("gemma3", "Gemma3ForConditionalGeneration", output="Gemma3CausalLMOutputWithPast"),
     ),
 }
 ALL_TARGETS: tuple[Target, ...] = tuple(t for targets in FAMILIES.values() for t in targets)
@@ -79,6 +83,11 @@ def find_target(model: object, targets: tuple[Target, ...] = ALL_TARGETS) -> tup
 def stock_forward(cls: type) -> Callable:
     """The unpatched forward function of a supported class loaded by :func:`load_class`."""
     return _STOCK_FORWARDS[cls]
+
+
+def output_class(target: Target) -> type | None:
+    """For a vision-language target, its stock forward's output class."""
+    return getattr(importlib.import_module(target.module), target.output) if target.output else None
 
 
 def aux_loss_function(target: Target) -> Callable | None:
