@@ -68,7 +68,8 @@ def apply_flce(model: M | None = None, **options: Unpack[PatchKwargs]) -> M | No
     With no model, patch the classes of every family. Applying again only updates the options.
 
     Args:
-        model: a supported ``*ForCausalLM`` (see ``hf_flce.patches.FAMILIES``), or a ``PeftModel`` around one.
+        model: a supported ``*ForCausalLM`` or vision-language ``Gemma3ForConditionalGeneration`` (see
+            ``hf_flce.patches.FAMILIES``), or a ``PeftModel`` around one.
         backend: ``"auto"`` (default; the torch backend on CPU), ``"torch"``, ``"triton"`` or ``"ascend"``.
         memory_budget: bytes of logits alive at once (default: half the op's, ``hf_flce.options.in_model_budget``).
         label_smoothing, z_loss: as :func:`hf_flce.fused_linear_cross_entropy` (both 0 reproduce the stock loss).
