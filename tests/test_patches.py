@@ -396,30 +396,71 @@ def test_gemma_family_class_patch_and_softcap():
         apply_flce_to_gemma(make_model("LlamaForCausalLM"))
 
 
-# A tiny Gemma 3 vision-language model: a one-layer SigLIP tower, 4 image tokens (id 150) per 16x16 image.
+# Tiny vision-language models, each with one 16x16 image per row whose 4 tokens (id 150) sit at positions 2-5 (Gemma 3:
+# a one-layer SigLIP tower; Qwen-VL: 16 patches of 4x4 merged 2x2, between vision start/end tokens 152/153).
 IMAGE_TOKEN = 150
-VISION = dict(
-    hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=16, patch_size=4
+QWEN_VL_TEXT = dict(BASE, rope_parameters=dict(rope_type="default", mrope_section=[1, 1, 2], rope_theta=10000.0))
+QWEN_VL_VISION = dict(patch_size=4, spatial_merge_size=2, temporal_patch_size=2, in_channels=3, num_heads=2)
+QWEN_VL_TOKENS = dict(
+    image_token_id=IMAGE_TOKEN, video_token_id=151, vision_start_token_id=152, vision_end_token_id=153
 )
+VISION_LANGUAGE = {
+    "Gemma3ForConditionalGeneration": (
+        "Gemma3Config",
+        dict(
+            text_config=dict(BASE, head_dim=8),
+            vision_config=dict(
+                hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=16, patch_size=4
+            ),
+            mm_tokens_per_image=4,
+            image_token_index=IMAGE_TOKEN,
+            boi_token_index=152,
+            eoi_token_index=153,
+        ),
+    ),
+    "Qwen2VLForConditionalGeneration": (
+        "Qwen2VLConfig",
+        dict(
+            text_config=QWEN_VL_TEXT,
+            vision_config=dict(QWEN_VL_VISION, depth=1, embed_dim=16, hidden_size=32, mlp_ratio=2),
+            **QWEN_VL_TOKENS,
+        ),
+    ),
+    "Qwen2_5_VLForConditionalGeneration": (
+        "Qwen2_5_VLConfig",
+        dict(
+            text_config=dict(QWEN_VL_TEXT, head_dim=8),
+            vision_config=dict(
+                QWEN_VL_VISION, depth=1, hidden_size=16, intermediate_size=32, out_hidden_size=32, window_size=16,
+                fullatt_block_indexes=[0],
+            ),
+            **QWEN_VL_TOKENS,
+        ),
+    ),
+    "Qwen3VLForConditionalGeneration": (
+        "Qwen3VLConfig",
+        dict(
+            text_config=dict(QWEN_VL_TEXT, head_dim=8),
+            vision_config=dict(
+                QWEN_VL_VISION, depth=2, hidden_size=16, intermediate_size=32, out_hidden_size=32,
+                num_position_embeddings=16, deepstack_visual_indexes=[0],
+            ),
+            **QWEN_VL_TOKENS,
+        ),
+    ),
+}  # fmt: skip
 
 
-def make_vision_language_model(tie: bool = True) -> torch.nn.Module:
-    config = transformers.Gemma3Config(
-        text_config=dict(BASE, head_dim=8),
-        vision_config=VISION,
-        mm_tokens_per_image=4,
-        image_token_index=IMAGE_TOKEN,
-        boi_token_index=151,
-        eoi_token_index=152,
-        tie_word_embeddings=tie,
-    )
+def make_vision_language_model(name: str, tie: bool = True) -> torch.nn.Module:
+    config_name, settings = VISION_LANGUAGE[name]
+    config = getattr(transformers, config_name)(**settings, tie_word_embeddings=tie)
     torch.manual_seed(0)
-    model = transformers.Gemma3ForConditionalGeneration(config).train()
-    assert (model.lm_head.weight is model.model.language_model.embed_tokens.weight) == tie
+    model = getattr(transformers, name)(config).train()
+    assert (model.lm_head.weight is model.get_input_embeddings().weight) == tie
     return model
 
 
-def image_batch() -> dict[str, torch.Tensor]:
+def image_batch(name: str) -> dict[str, torch.Tensor]:
     """Two rows of 16 tokens with an image at positions 2-5, its tokens and the prompt before it unscored."""
     gen = torch.Generator().manual_seed(2)
     ids = torch.randint(1, 140, (2, 16), generator=gen)
@@ -427,34 +468,44 @@ def image_batch() -> dict[str, torch.Tensor]:
     labels = ids.clone()
     labels[:, :6] = -100
     labels[1, 11] = -100
-    pixel_values = torch.randn(2, 3, 16, 16, generator=gen)
-    return dict(input_ids=ids, pixel_values=pixel_values, token_type_ids=(ids == IMAGE_TOKEN).long(), labels=labels)
+    if name.startswith("Gemma3"):
+        images = dict(pixel_values=torch.randn(2, 3, 16, 16, generator=gen), token_type_ids=(ids == IMAGE_TOKEN).long())
+    else:
+        ids[:, 1], ids[:, 6] = 152, 153
+        images = dict(
+            pixel_values=torch.randn(32, 3 * 2 * 4 * 4, generator=gen),  # 16 patches per image, flattened
+            image_grid_thw=torch.tensor([[1, 4, 4], [1, 4, 4]]),
+            mm_token_type_ids=(ids == IMAGE_TOKEN).int(),
+        )
+    return dict(input_ids=ids, labels=labels, **images)
 
 
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("variant", ["labels", "num_items_tensor", "shift_labels", "logits_to_keep"])
-def test_vision_language_loss_and_gradients_match_stock(variant, tie):
-    """``Gemma3ForConditionalGeneration``: the fused loss and every gradient (the vision tower's included) as stock's,
-    with the image's hidden states returned as stock returns them."""
-    stock = make_vision_language_model(tie)
+@pytest.mark.parametrize("name", list(VISION_LANGUAGE))
+def test_vision_language_loss_and_gradients_match_stock(name, variant, tie):
+    """Vision-language models: the fused loss and every gradient (the vision tower's included) as stock's, in
+    stock's output class (Gemma 3's with the image's hidden states)."""
+    stock = make_vision_language_model(name, tie)
     patched = apply_flce(copy.deepcopy(stock))
-    inputs = image_batch()
+    inputs = image_batch(name)
     inputs.update(_variant(variant, inputs["labels"]))
     stock_inputs = {k: v.contiguous() if k == "shift_labels" else v for k, v in inputs.items()}
     out, ref = assert_same_training(patched, stock, stock_inputs, **inputs)
     assert type(out) is type(ref)
-    assert out.image_hidden_states is not None
-    torch.testing.assert_close(out.image_hidden_states, ref.image_hidden_states, rtol=0, atol=0)
+    if name.startswith("Gemma3"):
+        torch.testing.assert_close(out.image_hidden_states, ref.image_hidden_states, rtol=0, atol=0)
 
 
-def test_vision_language_stock_paths_signature_and_class_patch():
+@pytest.mark.parametrize("name", list(VISION_LANGUAGE))
+def test_vision_language_stock_paths_signature_and_class_patch(name):
     """Without labels, in evaluation and with ``return_dict=False`` the vision-language model is stock's; its forward
-    keeps stock's signature (``Trainer`` keeps ``pixel_values``/``token_type_ids`` columns by it); a class patch reaches
-    new instances and reverts."""
-    stock = make_vision_language_model()
-    patched = apply_flce_to_gemma(copy.deepcopy(stock))
+    keeps stock's signature (``Trainer`` keeps the image columns by it); ``defer_head_grad`` works; a class patch
+    reaches new instances and reverts."""
+    stock = make_vision_language_model(name)
+    patched = apply_flce(copy.deepcopy(stock))
     assert inspect.signature(patched.forward) == inspect.signature(stock.forward)
-    inputs = image_batch()
+    inputs = image_batch(name)
     unlabelled = {k: v for k, v in inputs.items() if k != "labels"}
     with torch.no_grad():
         torch.testing.assert_close(patched(**unlabelled).logits, stock(**unlabelled).logits, rtol=0, atol=0)
@@ -464,10 +515,10 @@ def test_vision_language_stock_paths_signature_and_class_patch():
         torch.testing.assert_close(loss, stock(**inputs).loss, rtol=1e-5, atol=0)
         patched.eval()
         assert patched(**inputs).logits is not None
-    deferred = apply_flce(make_vision_language_model(), defer_head_grad=True)
-    assert_same_training(deferred, make_vision_language_model(), **inputs)
-    apply_flce_to_gemma()
-    fresh = make_vision_language_model()
+    deferred = apply_flce(make_vision_language_model(name), defer_head_grad=True)
+    assert_same_training(deferred, make_vision_language_model(name), **inputs)
+    apply_flce()
+    fresh = make_vision_language_model(name)
     assert fresh(**inputs).logits is None
     revert_flce()
     assert fresh(**inputs).logits is not None

@@ -68,7 +68,7 @@ def apply_flce(model: M | None = None, **options: Unpack[PatchKwargs]) -> M | No
     With no model, patch the classes of every family. Applying again only updates the options.
 
     Args:
-        model: a supported ``*ForCausalLM`` or vision-language ``Gemma3ForConditionalGeneration`` (see
+        model: a supported ``*ForCausalLM`` or vision-language ``*ForConditionalGeneration`` (see
             ``hf_flce.patches.FAMILIES``), or a ``PeftModel`` around one.
         backend: ``"auto"`` (default; the torch backend on CPU), ``"torch"``, ``"triton"`` or ``"ascend"``.
         memory_budget: bytes of logits alive at once (default: half the op's, ``hf_flce.options.in_model_budget``).
@@ -135,9 +135,11 @@ def apply_flce_to_llama(model: M | None = None, **options: Unpack[PatchKwargs]) 
 
 
 def apply_flce_to_qwen(model: M | None = None, **options: Unpack[PatchKwargs]) -> M | None:
-    """Patch ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``Qwen2MoeForCausalLM`` and ``Qwen3MoeForCausalLM``.
+    """Patch ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``Qwen2MoeForCausalLM``, ``Qwen3MoeForCausalLM`` and the
+    vision-language ``Qwen2VLForConditionalGeneration``, ``Qwen2_5_VLForConditionalGeneration`` and
+    ``Qwen3VLForConditionalGeneration``.
 
-    Patches this instance, or with no model the four classes. Options: :func:`apply_flce`.
+    Patches this instance, or with no model the seven classes. Options: :func:`apply_flce`.
 
     Example:
         >>> from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -266,7 +268,7 @@ def _apply(families: tuple[str, ...], model: M | None, options: PatchKwargs, cal
 
 
 def _fused_forward(target: Target):
-    if target.output:
+    if target.vision_language:
         return multimodal_forward(stock_forward(load_class(target)))
     return moe_causal_lm_forward if target.moe else causal_lm_forward
 

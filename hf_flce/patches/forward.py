@@ -264,24 +264,28 @@ def multimodal_forward(stock: Callable) -> Callable:
     class's other inputs (``pixel_values``, ``token_type_ids``, ...) passed to its model and its output class. It has
     ``stock``'s signature, which ``Trainer`` reads to keep the dataset columns the model takes."""
     signature = inspect.signature(stock)
-    defaults = {name: p.default for name, p in signature.parameters.items() if name in _BODY_ARGUMENTS}
-    missing = set(_BODY_ARGUMENTS) - set(defaults)
-    if missing:
-        raise TypeError(f"{stock.__qualname__} takes no {sorted(missing)}: not a causal vision-language forward")
+    if "labels" not in signature.parameters:
+        raise TypeError(f"{stock.__qualname__} takes no labels: not a causal vision-language forward")
+    # the shared body's arguments that ``stock`` does not name arrive in its ``**kwargs``, if at all
+    defaults = {name: None for name in _BODY_ARGUMENTS} | {"logits_to_keep": 0}
+    defaults |= {name: p.default for name, p in signature.parameters.items() if name in _BODY_ARGUMENTS}
 
     @can_return_tuple
     def forward(self, *args, **kwargs):
         bound = signature.bind(self, *args, **kwargs).arguments
         bound.pop(next(iter(signature.parameters)))  # self
-        rest = {}
+        body, rest = dict(defaults), {}
         for name, value in bound.items():
-            kind = signature.parameters[name].kind
-            if kind is inspect.Parameter.VAR_KEYWORD:
+            if signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
                 rest.update(value)
-            elif name not in _BODY_ARGUMENTS:
+            elif name in body:
+                body[name] = value
+            else:
                 rest[name] = value
-        body = [bound.get(name, defaults[name]) for name in _BODY_ARGUMENTS]
-        return _forward(self, *body, **rest)
+        for name in _BODY_ARGUMENTS:
+            if name in rest:
+                body[name] = rest.pop(name)
+        return _forward(self, *(body[name] for name in _BODY_ARGUMENTS), **rest)
 
     forward.__signature__ = signature
     forward.__doc__ = (

@@ -1,27 +1,29 @@
 """Which transformers classes each family covers, and their stock forwards.
 
 Per-family choices live in :data:`FAMILIES` and nowhere else: every dense class gets the same fused forward, every MoE
-class the MoE variant. Classes are imported on first use, so listing a family costs nothing.
+class the MoE variant, every vision-language class one made from its stock forward. Classes are imported on first use,
+so listing a family costs nothing.
 """
 
 from __future__ import annotations
 
 import importlib
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from transformers.utils import ModelOutput
 
 
 @dataclass(frozen=True)
 class Target:
-    """One supported causal-LM class: ``transformers.models.<model_type>.modeling_<model_type>.<class_name>``; a
-    vision-language one (``output`` set) returns the text model's loss and its own output class."""
+    """One supported causal-LM class: ``transformers.models.<model_type>.modeling_<model_type>.<class_name>``."""
 
     model_type: str
     class_name: str
     moe: bool = False
     package: str = ""  # the ``transformers.models`` folder, where it is not named after ``model_type``
-    # a vision-language class: its stock forward's output class, in the same module
-    output: str = ""
+    vision_language: bool = False  # a ``*ForConditionalGeneration`` whose loss is its text model's
 
     @property
     def module(self) -> str:
@@ -36,6 +38,9 @@ FAMILIES: dict[str, tuple[Target, ...]] = {
         Target("qwen3", "Qwen3ForCausalLM"),
         Target("qwen2_moe", "Qwen2MoeForCausalLM", moe=True),
         Target("qwen3_moe", "Qwen3MoeForCausalLM", moe=True),
+        Target("qwen2_vl", "Qwen2VLForConditionalGeneration", vision_language=True),
+        Target("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", vision_language=True),
+        Target("qwen3_vl", "Qwen3VLForConditionalGeneration", vision_language=True),
     ),
     "mistral": (
         Target("mistral", "MistralForCausalLM"),
@@ -47,7 +52,7 @@ FAMILIES: dict[str, tuple[Target, ...]] = {
         Target("gemma", "GemmaForCausalLM"),
         Target("gemma2", "Gemma2ForCausalLM"),
         Target("gemma3_text", "Gemma3ForCausalLM", package="gemma3"),
-        Target("gemma3", "Gemma3ForConditionalGeneration", output="Gemma3CausalLMOutputWithPast"),
+        Target("gemma3", "Gemma3ForConditionalGeneration", vision_language=True),
     ),
 }
 ALL_TARGETS: tuple[Target, ...] = tuple(t for targets in FAMILIES.values() for t in targets)
@@ -86,8 +91,18 @@ def stock_forward(cls: type) -> Callable:
 
 
 def output_class(target: Target) -> type | None:
-    """For a vision-language target, its stock forward's output class."""
-    return getattr(importlib.import_module(target.module), target.output) if target.output else None
+    """For a vision-language target, the output class its stock forward returns (read off its return annotation,
+    ``tuple | <output class>``, which differs between classes and transformers versions)."""
+    if not target.vision_language:
+        return None
+    stock = stock_forward(load_class(target))
+    annotation = typing.get_type_hints(stock).get("return")
+    classes = [
+        c for c in typing.get_args(annotation) or (annotation,) if isinstance(c, type) and issubclass(c, ModelOutput)
+    ]
+    if len(classes) != 1:
+        raise TypeError(f"{target.class_name}.forward's return annotation {annotation!r} names no one output class")
+    return classes[0]
 
 
 def aux_loss_function(target: Target) -> Callable | None:
