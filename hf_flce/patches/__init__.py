@@ -119,7 +119,8 @@ def apply_flce(model: M | None = None, **options: Unpack[PatchKwargs]) -> M | No
 
 
 def apply_flce_to_llama(model: M | None = None, **options: Unpack[PatchKwargs]) -> M | None:
-    """Patch ``LlamaForCausalLM`` (this instance, or the class when ``model`` is None). Options: :func:`apply_flce`.
+    """Patch ``LlamaForCausalLM`` and the vision-language ``LlavaForConditionalGeneration`` (this instance, or the
+    classes when ``model`` is None). Options: :func:`apply_flce`.
 
     Example:
         >>> import torch
@@ -157,7 +158,8 @@ def apply_flce_to_qwen(model: M | None = None, **options: Unpack[PatchKwargs]) -
 
 
 def apply_flce_to_mistral(model: M | None = None, **options: Unpack[PatchKwargs]) -> M | None:
-    """Patch ``MistralForCausalLM`` and ``MixtralForCausalLM`` (this instance, or the classes). Options: :func:`apply_flce`.
+    """Patch ``MistralForCausalLM``, ``MixtralForCausalLM`` and the vision-language ``Mistral3ForConditionalGeneration``
+    (this instance, or the classes). Options: :func:`apply_flce`.
 
     Example:
         >>> import torch

@@ -32,7 +32,11 @@ class Target:
 
 
 FAMILIES: dict[str, tuple[Target, ...]] = {
-    "llama": (Target("llama", "LlamaForCausalLM"),),
+    # LLaVA's text model is any causal LM (Vicuna, i.e. Llama, in LLaVA-1.5); its loss is that model's
+    "llama": (
+        Target("llama", "LlamaForCausalLM"),
+        Target("llava", "LlavaForConditionalGeneration", vision_language=True),
+    ),
     "qwen": (
         Target("qwen2", "Qwen2ForCausalLM"),
         Target("qwen3", "Qwen3ForCausalLM"),
@@ -45,6 +49,7 @@ FAMILIES: dict[str, tuple[Target, ...]] = {
     "mistral": (
         Target("mistral", "MistralForCausalLM"),
         Target("mixtral", "MixtralForCausalLM", moe=True),
+        Target("mistral3", "Mistral3ForConditionalGeneration", vision_language=True),
     ),
     # Gemma 2 caps its logits (``config.final_logit_softcapping``; Gemma 3's config has the field, unset), which the
     # fused forward passes to the op. Gemma 3's 4B-27B checkpoints are vision-language models.
