@@ -8,6 +8,7 @@ differences; gradient accuracy itself is checked against float64 in ``test_dpo_g
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import math
@@ -15,6 +16,7 @@ from unittest import mock
 
 import pytest
 import torch
+from test_patches import VISION_LANGUAGE, image_batch, make_vision_language_model
 from transformers import TrainerCallback
 from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 from trl.trainer.utils import add_fused_lm_head
@@ -205,6 +207,31 @@ def test_head_matches_trl_contract(tokenizer, config, shifted):
         ((out.log_probs * weights).sum() + out.entropy.sum()).backward()
     for (name, p_stock), p_ours in zip(stock.named_parameters(), ours.parameters()):
         torch.testing.assert_close(p_ours.grad, p_stock.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("name", list(VISION_LANGUAGE))
+def test_head_on_vision_language_models(name):
+    """The trainers' head on the vision-language models the patchers take (their images passed to the backbone):
+    TRL's head's per-token fields, and the scalar NLL with every gradient as stock's loss has them."""
+    stock = make_vision_language_model(name, tie=False)
+    trl_head, ours = copy.deepcopy(stock), copy.deepcopy(stock)
+    fields = ("log_probs", "entropy", "is_top1")
+    add_fused_lm_head(trl_head, outputs=fields)
+    add_flce_lm_head(ours, outputs=fields)
+    inputs = image_batch(name)
+    with torch.no_grad():
+        out_trl = trl_head(**inputs, fused_lm_head=True)
+        out_ours = ours(**inputs, fused_lm_head=True)
+    for field in (*fields, "label_mask", "loss"):
+        torch.testing.assert_close(getattr(out_ours, field), getattr(out_trl, field), rtol=RTOL, atol=2e-6, msg=field)
+    stock(**inputs).loss.backward()
+    ours(**inputs, fused_lm_head=True, fused_loss_type="nll").token_loss.backward()
+    grads = [(name, a.grad, b.grad) for (name, a), b in zip(stock.named_parameters(), ours.parameters())]
+    assert all((want is None) == (got is None) for _, want, got in grads)
+    grads = [g for g in grads if g[1] is not None]
+    noise = 1e-7 * max(float(want.abs().max()) for _, want, _ in grads)  # as test_patches.assert_same_training
+    for param, want, got in grads:
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()) + noise, msg=param)
 
 
 @pytest.mark.parametrize("loss_type", ["nll", "dft"])
