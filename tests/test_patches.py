@@ -606,6 +606,20 @@ def test_peft_lora_and_modules_to_save():
         assert bool(config.modules_to_save) == any("modules_to_save" in n for n in trainable)
 
 
+@pytest.mark.parametrize("name", ["Qwen2_5_VLForConditionalGeneration", "Gemma3ForConditionalGeneration"])
+def test_vision_language_under_peft(name):
+    """LoRA on the text model's attention (the usual vision-language fine-tune): the patch reaches the model inside
+    the ``PeftModel``, and the loss and the adapters' gradients are stock's."""
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, target_modules=r".*language_model.*\.(q_proj|v_proj)", init_lora_weights=False)
+    stock = peft.get_peft_model(make_vision_language_model(name), config)
+    patched = copy.deepcopy(stock)
+    assert apply_flce(patched) is patched
+    _, grads = loss_and_grads(stock, **image_batch(name))
+    assert any("lora_" in n for n in grads) and not any("vision" in n for n in grads)
+    assert_same_training(patched, stock, **image_batch(name), num_items_in_batch=torch.tensor(9.0))
+
+
 def test_peft_adapter_on_lm_head_falls_back_with_one_warning():
     peft = pytest.importorskip("peft")
     patch_forward._warned.clear()
