@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import math
 import sys
 import time
 from pathlib import Path
@@ -145,19 +144,11 @@ def first_step_gradient_error(base: torch.nn.Module, batch: Batch, device: torch
         with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
             model(**{k: v.to(device) for k, v in batch.items()}, num_items_in_batch=num_items).loss.backward()
         head = model.get_output_embeddings().weight
-        grads[label] = {"head": head.grad.float(), "all": [p.grad.float() for p in model.parameters()]}
+        all_grads = {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
+        grads[label] = {"head": {"head": head.grad.float()}, "all": all_grads}
         del model
     ref = grads.pop("fp32")
-
-    def rel(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-        num = sum(float((x.double() - y.double()).pow(2).sum()) for x, y in zip(a, b, strict=True))
-        return math.sqrt(num / sum(float(y.double().pow(2).sum()) for y in b))
-
-    return {
-        part: {label: rel(g[part] if part == "all" else [g[part]], ref[part] if part == "all" else [ref[part]])
-               for label, g in grads.items()}
-        for part in ("head", "all")
-    }  # fmt: skip
+    return {part: {label: parameter_distance(g[part], ref[part]) for label, g in grads.items()} for part in ref}
 
 
 def run_model(name: str, family: str, settings: dict, args: argparse.Namespace) -> dict:

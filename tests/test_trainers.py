@@ -16,7 +16,7 @@ from unittest import mock
 
 import pytest
 import torch
-from test_patches import VISION_LANGUAGE, image_batch, make_vision_language_model
+from test_patches import VISION_LANGUAGE, assert_same_gradients, image_batch, make_vision_language_model
 from transformers import TrainerCallback
 from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 from trl.trainer.utils import add_fused_lm_head
@@ -226,12 +226,10 @@ def test_head_on_vision_language_models(name):
         torch.testing.assert_close(getattr(out_ours, field), getattr(out_trl, field), rtol=RTOL, atol=2e-6, msg=field)
     stock(**inputs).loss.backward()
     ours(**inputs, fused_lm_head=True, fused_loss_type="nll").token_loss.backward()
-    grads = [(name, a.grad, b.grad) for (name, a), b in zip(stock.named_parameters(), ours.parameters())]
-    assert all((want is None) == (got is None) for _, want, got in grads)
-    grads = [g for g in grads if g[1] is not None]
-    noise = 1e-7 * max(float(want.abs().max()) for _, want, _ in grads)  # as test_patches.assert_same_training
-    for param, want, got in grads:
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()) + noise, msg=param)
+    assert_same_gradients(
+        {n: p.grad for n, p in ours.named_parameters() if p.grad is not None},
+        {n: p.grad for n, p in stock.named_parameters() if p.grad is not None},
+    )
 
 
 @pytest.mark.parametrize("loss_type", ["nll", "dft"])
