@@ -1,14 +1,22 @@
 """bf16 convergence on a GPU: stock bf16 and hf_flce bf16 against a stock fp32 run (the ground truth).
 
-For each model, three runs start from the same weights and see the same batches: stock transformers in fp32
-(TF32 off), stock under bf16 autocast and ``apply_flce`` under bf16 autocast (fp32 master weights, as
-``Trainer(bf16=True)``). The check (``TOLERANCES["bf16-gpu"]`` in ``tests/convergence_utils.py``): ours' distance
-to the fp32 run is at most stock bf16's, for the loss curve (mean relative difference over steps) and for the final
-parameters (relative L2 distance), and ours' mean loss distance stays under a sanity bound. Distances of held-out
-log-probs, the time per step and each run's first-step gradient error against fp32 (head weight, all parameters) are
-reported too. The trajectories' distances are mostly the body's bf16 error, shared by both bf16 runs and amplified by
-training: their ratio moves by ±30% with the seed and the GPU (docs/PERF_NOTES.md v36), while one step's gradients
-compare the heads without that noise.
+For each model, four runs start from the same weights and see the same batches: stock transformers in fp32 (TF32
+off); under bf16 autocast with fp32 master weights (as ``Trainer(bf16=True)``), stock, stock with its head's logits
+kept in float32 ("fp32-logits": what an exact fused head computes) and ``apply_flce``. The check
+(``TOLERANCES["bf16-gpu"]`` in ``tests/convergence_utils.py``):
+
+- gradient error: one held-out micro-batch's gradients at the same weights (the initial ones, and the fp32 run's
+  trained ones, where the logits are peaked) against the fp32 model's, for the head's weight and for all parameters:
+  ours' error at most ``max_gradient_error_ratio`` x stock bf16's. Deterministic up to the GPU's summation order,
+  this is what compares the heads: a head wrong by half a percent fails it;
+- trajectory: ours' distance to the fp32 run, for the loss curve (mean relative difference over steps) and the final
+  parameters (relative L2 distance), at most ``max_distance_ratio`` x the larger of the two other bf16 runs'. These
+  distances are mostly the body's bf16 error, shared by every bf16 run and amplified by training: the same seed rerun
+  moves ours / stock by up to 0.3, and the exact head reads 0.55-1.21x stock's (docs/PERF_NOTES.md v37). This part
+  catches a run that leaves the others, not a head that rounds differently;
+- ours' mean loss distance stays under a sanity bound.
+
+Distances of held-out log-probs, the time per step and the peak memory are reported too.
 
 Data: a synthetic language over the whole vocabulary, generated here: Zipf-distributed tokens, half of which
 always have the same successor (near-deterministic targets, where bf16 logits lose most), variable lengths with
@@ -16,7 +24,7 @@ right padding, the first quarter of each row masked as a prompt, two micro-batch
 
 Usage (from the repository root, ``make test-convergence-gpu``)::
 
-    python scripts/convergence_gpu.py --out outputs/convergence/gpu   # ~2-3 min on one H100
+    python scripts/convergence_gpu.py --out outputs/convergence/gpu   # ~4 min on one H100
     python scripts/convergence_gpu.py --models llama-32k --steps 50   # a shorter run
     python scripts/convergence_gpu.py --preset gemma --seed 1         # Gemma 2 (logit cap 30) and Gemma 3 heads
     python scripts/convergence_gpu.py --device cpu --preset smoke     # CPU smoke test of the script itself
@@ -33,6 +41,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -60,8 +69,16 @@ RUNS = {
     "gemma": dict(steps=200, seq=512, micro_batch=8),
     "smoke": dict(steps=5, seq=32, micro_batch=4),
 }
-# (label, autocast dtype, fused): the three runs of each model
-VARIANTS = (("fp32", None, False), ("stock", torch.bfloat16, False), ("ours", torch.bfloat16, True))
+# (label, autocast dtype, head): the runs of each model. "fp32-logits" is stock bf16 with its head's logits (and their
+# gradient) kept in float32 from the same bf16 operands: what an exact fused head computes, so its distance to the
+# fp32 run tells how far a more exact head alone moves a bf16 trajectory (the noise ours is compared within).
+VARIANTS = (
+    ("fp32", None, "stock"),
+    ("stock", torch.bfloat16, "stock"),
+    ("fp32-logits", torch.bfloat16, "fp32-logits"),
+    ("ours", torch.bfloat16, "flce"),
+)
+BF16_RUNS = [label for label, dtype, _ in VARIANTS if dtype is not None]
 # name -> (family, model settings). 4 layers, realistic vocabularies and widths.
 PRESETS: dict[str, dict[str, tuple[str, dict]]] = {
     "default": {
@@ -76,8 +93,8 @@ PRESETS: dict[str, dict[str, tuple[str, dict]]] = {
                  num_key_value_heads=8, head_dim=64, tie_word_embeddings=True),
         ),
     },
-    # Gemma heads (make test-convergence-gpu runs the default preset only): gemma3-262k-tied meets the loss-curve
-    # and parameter checks at some seeds and not at others (docs/PERF_NOTES.md v36)
+    # Gemma heads, the largest vocabularies (make test-convergence-gpu runs the default preset only, ~4 min on an
+    # H100; this one takes ~8 min)
     "gemma": {
         # Gemma 2's final-logit cap of 30 (the epilogue's hardware tanh) on its 256k vocabulary
         "gemma2-256k-softcap": (
@@ -130,23 +147,35 @@ def make_steps(
     return [micro_batches[i : i + accum] for i in range(0, len(micro_batches), accum)], held_out
 
 
-def first_step_gradient_error(base: torch.nn.Module, batch: Batch, device: torch.device) -> dict[str, dict[str, float]]:
-    """One micro-batch's gradients at the initial weights, stock and ours under bf16 autocast, against stock fp32's:
-    ``‖g - g_fp32‖ / ‖g_fp32‖`` for the output head's weight (the embedding when tied) and for all parameters.
-    Deterministic where the trajectories are not: the same weights and batch for the three."""
+def prepare(model: torch.nn.Module, head: str) -> torch.nn.Module:
+    """``model`` with the named head: stock's, ``apply_flce``'s, or stock's with float32 logits from bf16 operands."""
+    if head == "flce":
+        apply_flce(model)
+    elif head == "fp32-logits":
+        output = model.get_output_embeddings()
+
+        def forward(hidden: torch.Tensor) -> torch.Tensor:
+            with torch.autocast(hidden.device.type, enabled=False):
+                return F.linear(hidden.to(torch.bfloat16).float(), output.weight.to(torch.bfloat16).float())
+
+        output.forward = forward
+    return model
+
+
+def gradient_error(model: torch.nn.Module, batch: Batch, device: torch.device) -> dict[str, dict[str, float]]:
+    """One micro-batch's gradients at ``model``'s weights, of each bf16 run's head under autocast, against stock
+    fp32's: ``‖g - g_fp32‖ / ‖g_fp32‖`` for the output head's weight (the embedding when tied) and for all
+    parameters. Deterministic where the trajectories are not: the same weights and batch for every run."""
     num_items = count_targets(batch["labels"]).to(device)
     grads = {}
-    for label, dtype, fused in VARIANTS:
-        model = copy.deepcopy(base).to(device)
-        model.train()
-        if fused:
-            apply_flce(model)
+    for label, dtype, head in VARIANTS:
+        run = prepare(copy.deepcopy(model).to(device), head).train()
         with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
-            model(**{k: v.to(device) for k, v in batch.items()}, num_items_in_batch=num_items).loss.backward()
-        head = model.get_output_embeddings().weight
-        all_grads = {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
-        grads[label] = {"head": {"head": head.grad.float()}, "all": all_grads}
-        del model
+            run(**{k: v.to(device) for k, v in batch.items()}, num_items_in_batch=num_items).loss.backward()
+        weight = run.get_output_embeddings().weight
+        all_grads = {n: p.grad.float() for n, p in run.named_parameters() if p.grad is not None}
+        grads[label] = {"head": {"head": weight.grad.float()}, "all": all_grads}
+        del run
     ref = grads.pop("fp32")
     return {part: {label: parameter_distance(g[part], ref[part]) for label, g in grads.items()} for part in ref}
 
@@ -159,17 +188,9 @@ def run_model(name: str, family: str, settings: dict, args: argparse.Namespace) 
     base = build_model(family, **settings, seed=args.seed)
     print(f"[{name}] {sum(p.numel() for p in base.parameters()) / 1e6:.0f}M parameters, data in "
           f"{time.perf_counter() - started:.1f}s", flush=True)  # fmt: skip
-    # reported, not checked: the trajectories' distances below are mostly the body's bf16 error, which both runs
-    # share, amplified by training (docs/PERF_NOTES.md v36); one step's gradients are not
-    gradient_error = first_step_gradient_error(base, steps[0][0], device)
-    print(f"[{name}] first-step gradient error vs fp32, stock / ours: head "
-          f"{gradient_error['head']['stock']:.3e} / {gradient_error['head']['ours']:.3e}, all parameters "
-          f"{gradient_error['all']['stock']:.3e} / {gradient_error['all']['ours']:.3e}", flush=True)  # fmt: skip
     runs, logprobs = {}, {}
-    for label, dtype, fused in VARIANTS:
-        model = copy.deepcopy(base).to(device)
-        if fused:
-            apply_flce(model)
+    for label, dtype, head in VARIANTS:
+        model = prepare(copy.deepcopy(base).to(device), head)
         runs[label] = train(model, steps, lr=args.lr, autocast=dtype)
         logprobs[label] = eval_logprobs(model, held_out)  # fp32 eval: the weights' quality, not the eval's dtype
         print(f"[{name}] {label}: final loss {runs[label].losses[-1]:.4f}, "
@@ -178,23 +199,43 @@ def run_model(name: str, family: str, settings: dict, args: argparse.Namespace) 
         if device.type == "cuda":
             torch.cuda.empty_cache()
     truth = runs["fp32"]
+    # the held-out batch's gradients at the initial weights and at the fp32 run's trained ones (peaked logits)
+    trained = copy.deepcopy(base)
+    trained.load_state_dict(truth.final, strict=False)
+    gradients = {
+        "initial": gradient_error(base, held_out, device),
+        "trained": gradient_error(trained, held_out, device),
+    }
+    for point, errors in gradients.items():
+        shown = ", ".join(f"{part} " + " / ".join(f"{errors[part][k]:.3e}" for k in BF16_RUNS) for part in errors)
+        print(f"[{name}] gradient error vs fp32 at the {point} weights ({' / '.join(BF16_RUNS)}): {shown}", flush=True)
     mask = held_out["labels"][:, 1:] != IGNORE_INDEX
     distance = {
-        "loss_curve": {k: loss_curve_distance(runs[k].losses, truth.losses) for k in ("stock", "ours")},
-        "final_params": {k: parameter_distance(runs[k].final, truth.final) for k in ("stock", "ours")},
-        "eval_logprobs_mean_abs": {
-            k: float((logprobs[k] - logprobs["fp32"]).abs()[mask].mean()) for k in ("stock", "ours")
-        },
+        "loss_curve": {k: loss_curve_distance(runs[k].losses, truth.losses) for k in BF16_RUNS},
+        "final_params": {k: parameter_distance(runs[k].final, truth.final) for k in BF16_RUNS},
+        "eval_logprobs_mean_abs": {k: float((logprobs[k] - logprobs["fp32"]).abs()[mask].mean()) for k in BF16_RUNS},
     }
     problems = []
+    for point, errors in gradients.items():
+        for part, values in errors.items():
+            if not values["ours"] <= TOL.max_gradient_error_ratio * values["stock"]:
+                problems.append(
+                    f"gradient error ({part}, {point} weights): ours {values['ours']:.4g} > "
+                    f"{TOL.max_gradient_error_ratio:g} x stock's {values['stock']:.4g}"
+                )
     for key in ("loss_curve", "final_params"):
-        ours, stock = distance[key]["ours"], distance[key]["stock"]
-        if not ours <= TOL.max_distance_ratio * stock:
+        ours, others = distance[key]["ours"], max(distance[key]["stock"], distance[key]["fp32-logits"])
+        if not ours <= TOL.max_distance_ratio * others:
             problems.append(
-                f"{key}: ours' distance to fp32 {ours:.4g} > {TOL.max_distance_ratio:g} x stock's {stock:.4g}"
+                f"{key}: ours' distance to fp32 {ours:.4g} > {TOL.max_distance_ratio:g} x the larger of stock's and "
+                f"fp32-logits' {others:.4g}"
             )
     if not distance["loss_curve"]["ours"] <= TOL.max_loss_distance:
         problems.append(f"loss_curve: ours' mean relative distance to fp32 exceeds {TOL.max_loss_distance:g}")
+
+    def ratios(values: dict[str, float]) -> dict[str, float | None]:
+        return {k: values[k] / values["stock"] if values["stock"] else None for k in BF16_RUNS if k != "stock"}
+
     return {
         "name": name,
         "reference": "fp32",
@@ -203,8 +244,11 @@ def run_model(name: str, family: str, settings: dict, args: argparse.Namespace) 
         "grad_norms": {k: r.grad_norms for k, r in runs.items()},
         "summary": {
             "distance_to_fp32": distance,
-            "ratio_ours_to_stock": {k: v["ours"] / v["stock"] if v["stock"] else None for k, v in distance.items()},
-            "first_step_gradient_error": gradient_error,
+            "ratio_to_stock": {k: ratios(v) for k, v in distance.items()},
+            "gradient_error": gradients,
+            "gradient_error_ratio_to_stock": {
+                point: {part: ratios(v) for part, v in errors.items()} for point, errors in gradients.items()
+            },
             "ms_per_step": {k: 1e3 * r.seconds_per_step for k, r in runs.items()},
             "peak_gib": {k: r.peak_gib for k, r in runs.items()},
             "tokens_per_step": args.accum * args.micro_batch * args.seq,
@@ -255,12 +299,18 @@ def main(argv: list[str] | None = None) -> int:
         settings=vars(args),
         tolerance=TOL.__dict__,
     )
-    print(f"\n{'model':<18} {'distance to fp32':<18} {'stock bf16':>12} {'ours bf16':>12} {'ratio':>7}")
+    print(f"\n{'model':<18} {'distance to fp32':<24}" + "".join(f"{k:>13}" for k in BF16_RUNS)
+          + "".join(f"{k + ' ÷ stock':>20}" for k in BF16_RUNS[1:]))  # fmt: skip
     for record in records:
-        for key, values in record["summary"]["distance_to_fp32"].items():
-            ratio = record["summary"]["ratio_ours_to_stock"][key]
-            shown = "—" if ratio is None else f"{ratio:.3f}"
-            print(f"{record['name']:<18} {key:<18} {values['stock']:>12.4g} {values['ours']:>12.4g} {shown:>7}")
+        summary = record["summary"]
+        rows = dict(summary["distance_to_fp32"])
+        rows.update(
+            {f"grad {point} {part}": v for point, e in summary["gradient_error"].items() for part, v in e.items()}
+        )
+        for key, values in rows.items():
+            ratio = {k: values[k] / values["stock"] if values["stock"] else None for k in BF16_RUNS[1:]}
+            shown = "".join("{:>20}".format("—" if r is None else f"{r:.3f}") for r in ratio.values())
+            print(f"{record['name']:<18} {key:<24}" + "".join(f"{values[k]:>13.4g}" for k in BF16_RUNS) + shown)
         for problem in record["problems"]:
             print(f"FAILED {record['name']}: {problem}")
     print(f"wrote {path} in {time.perf_counter() - started:.0f}s")

@@ -1,7 +1,7 @@
 """Markdown summary and PNG plots of convergence runs.
 
 Reads the JSON written by ``make test-convergence`` (``outputs/convergence/cpu/*.json``: stock against ours, fp32)
-and by ``scripts/convergence_gpu.py`` (``<out>/gpu.json``: fp32, stock bf16 and ours bf16). For every run it plots
+and by ``scripts/convergence_gpu.py`` (``<out>/gpu.json``: fp32, stock bf16, stock bf16 with float32 logits and ours bf16). For every run it plots
 the loss curves overlaid and their per-step differences from the reference run (stock on CPU, fp32 on GPU), and
 writes ``report.md`` with the pass/fail state, the summary numbers and the tolerance table.
 
@@ -19,8 +19,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-COLORS = {"fp32": "black", "stock": "tab:blue", "ours": "tab:orange"}
-STYLES = {"ours": "--"}  # dashed, so that a curve on top of stock's still shows both
+COLORS = {"fp32": "black", "stock": "tab:blue", "fp32-logits": "tab:green", "ours": "tab:orange"}
+STYLES = {"ours": "--", "fp32-logits": ":"}  # dashed, so that a curve on top of stock's still shows both
 
 
 def load_runs(paths: list[Path]) -> list[dict]:
@@ -87,12 +87,24 @@ def run_section(run: dict, image: Path, out: Path) -> list[str]:
     lines += [*(f"- {problem}" for problem in run.get("problems", [])), ""]
     summary = run.get("summary", {})
     if "distance_to_fp32" in summary:
-        lines += ["| distance to fp32 | stock bf16 | ours bf16 | ours / stock |", "|---|---|---|---|"]
-        for key, values in summary["distance_to_fp32"].items():
-            ratio = summary["ratio_ours_to_stock"][key]
-            lines.append(f"| {key} | {values['stock']:.4g} | {values['ours']:.4g} | {_fmt(ratio)} |")
+        # each bf16 run's distance to the fp32 run, and its ratio to stock bf16's (older records: stock and ours)
+        rows = dict(summary["distance_to_fp32"])
+        for point, errors in summary.get("gradient_error", {}).items():
+            rows.update({f"gradient error, {point} weights, {part}": values for part, values in errors.items()})
+        runs = list(next(iter(rows.values())))
+        others = [k for k in runs if k != "stock"]
+        lines += [
+            "| distance to fp32 | " + " | ".join(runs) + " | " + " | ".join(f"{k} / stock" for k in others) + " |",
+            "|---" * (1 + len(runs) + len(others)) + "|",
+        ]
+        for key, values in rows.items():
+            ratio = [values[k] / values["stock"] if values["stock"] else None for k in others]
+            cells = [f"{values[k]:.4g}" for k in runs] + [_fmt(r) for r in ratio]
+            lines.append(f"| {key} | " + " | ".join(cells) + " |")
         lines.append("")
-    rest = {k: v for k, v in summary.items() if k not in ("distance_to_fp32", "ratio_ours_to_stock", "logged_keys")}
+    skipped = ("distance_to_fp32", "ratio_ours_to_stock", "ratio_to_stock", "gradient_error", "logged_keys")
+    skipped += ("gradient_error_ratio_to_stock",)
+    rest = {k: v for k, v in summary.items() if k not in skipped}
     lines += [f"- {key}: {_fmt(value)}" for key, value in rest.items()]
     if run.get("metrics"):
         lines += ["", "| logged metric | values | max abs diff | max rel diff |", "|---|---|---|---|"]

@@ -674,27 +674,64 @@ def test_bf16_autocast(defer):
 DENSE_CLASSES = [name for name in CLASSES if name not in MOE_CLASSES]  # the MoE experts' grouped_mm has no float64
 
 
+def autocast_gradient_errors(stock: torch.nn.Module, device: str, **inputs) -> dict[str, dict[str, float]]:
+    """One step of ``stock`` and of ``apply_flce(stock)`` under bf16 autocast with fp32 weights on ``device``, against
+    the float64 model's gradients: ``{part: {"ours": e, "stock": e}}``, each a relative L2 distance. Parts: ``"dx"``,
+    the gradient of the decoder's last hidden states (what the head sends back into the body); ``"head"``, the output
+    head's weight gradient, or ``"embedding"`` when tied (it also takes the gradient that comes back through the
+    body); ``"all"``, every parameter's gradient."""
+    stock = stock.to(device)
+    inputs = {k: v.to(device) for k, v in inputs.items()}
+    head = next(n for n, p in stock.named_parameters() if p is stock.get_output_embeddings().weight)
+    grads = {}
+    for label, model, dtype in (
+        ("float64", copy.deepcopy(stock).double(), None),
+        ("ours", apply_flce(copy.deepcopy(stock)), torch.bfloat16),
+        ("stock", copy.deepcopy(stock), torch.bfloat16),
+    ):
+        dx = []
+
+        def keep_dx(module: torch.nn.Module, args: tuple, out, dx: list = dx) -> None:
+            out.last_hidden_state.register_hook(lambda grad: dx.append(grad.double()))
+
+        model.get_decoder().register_forward_hook(keep_dx)
+        with torch.autocast(device, dtype=dtype or torch.float32, enabled=dtype is not None):
+            _, grads[label] = loss_and_grads(model, **inputs)
+        grads[label] = {n: g.double() for n, g in grads[label].items()}
+        grads[label]["dx"] = dx[0]
+    reference = grads.pop("float64")
+    tied = stock.get_output_embeddings().weight is stock.get_input_embeddings().weight
+    parts = {"dx": ["dx"], "embedding" if tied else "head": [head], "all": [n for n in reference if n != "dx"]}
+    return {
+        part: {
+            label: parameter_distance({n: g[n] for n in names}, {n: reference[n] for n in names})
+            for label, g in grads.items()
+        }
+        for part, names in parts.items()
+    }
+
+
+# Bounds of ours' error over stock's. The head's own outputs (dX, and dW when untied) are at most stock's: its logits
+# are float32 where stock's are bf16 (on a GPU dX reads 0.55-0.67x stock's error; on the CPU the torch backend's dX
+# is stock's). What passes through the body (a tied embedding, every parameter) also carries the body's bf16
+# rounding, which both runs share and which the more exact dX moves: tiny models read 0.84-1.13x there, so those
+# bounds catch a wrong head, not one that rounds differently.
+AUTOCAST_ERROR_BOUNDS = {"dx": 1.01, "head": 1.01, "embedding": 1.15, "all": 1.25}
+
+
+def assert_autocast_error_like_stock(stock: torch.nn.Module, device: str, **inputs) -> None:
+    errors = autocast_gradient_errors(stock, device, **inputs)
+    for part, values in errors.items():
+        assert values["ours"] <= AUTOCAST_ERROR_BOUNDS[part] * values["stock"], (part, errors)
+
+
 @pytest.mark.parametrize("tie", [False, True], ids=["", "tied"])
 @pytest.mark.parametrize("name", DENSE_CLASSES)
 def test_bf16_autocast_gradient_error_like_stock(name, tie):
     """One step under bf16 autocast with fp32 weights, against the float64 model's gradients: ours' error is stock's
-    to within the body's noise. The body's bf16 rounding, which both runs share, is most of either error, and the
-    head's more exact dX changes where it falls; these tiny models read 0.91-1.06x stock's error for the head's weight
-    and 0.96-1.03x for all parameters. The bounds catch a head that is wrong, not one that rounds differently."""
-    stock = make_model(name, tie)
+    or less (see ``AUTOCAST_ERROR_BOUNDS``)."""
     ids, labels = make_batch(4, 32)
-    _, reference = loss_and_grads(copy.deepcopy(stock).double(), input_ids=ids, labels=labels)
-    reference = {n: g.double() for n, g in reference.items()}
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        _, ours = loss_and_grads(apply_flce(copy.deepcopy(stock)), input_ids=ids, labels=labels)
-        _, theirs = loss_and_grads(stock, input_ids=ids, labels=labels)
-    head = "model.embed_tokens.weight" if tie else "lm_head.weight"
-    head_error = {
-        label: parameter_distance({head: g[head]}, {head: reference[head]})
-        for label, g in (("ours", ours), ("stock", theirs))
-    }
-    assert head_error["ours"] <= 1.15 * head_error["stock"]
-    assert parameter_distance(ours, reference) <= 1.10 * parameter_distance(theirs, reference)
+    assert_autocast_error_like_stock(make_model(name, tie), "cpu", input_ids=ids, labels=labels)
 
 
 @pytest.mark.parametrize("defer", [False, True], ids=["", "defer_head_grad"])
