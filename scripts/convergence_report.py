@@ -1,9 +1,10 @@
 """Markdown summary and PNG plots of convergence runs.
 
 Reads the JSON written by ``make test-convergence`` (``outputs/convergence/cpu/*.json``: stock against ours, fp32)
-and by ``scripts/convergence_gpu.py`` (``<out>/gpu.json``: fp32, stock bf16, stock bf16 with float32 logits and ours bf16). For every run it plots
-the loss curves overlaid and their per-step differences from the reference run (stock on CPU, fp32 on GPU), and
-writes ``report.md`` with the pass/fail state, the summary numbers and the tolerance table.
+and by ``scripts/convergence_gpu.py`` (``<out>/gpu.json``: fp32, stock bf16, stock bf16 with float32 logits and
+ours bf16). For every run it plots the loss curves overlaid and their per-step differences from the reference run
+(stock on CPU, fp32 on GPU), and writes ``report.md`` with the pass/fail state, the summary numbers and the
+tolerance table.
 
 Usage::
 
@@ -20,7 +21,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 COLORS = {"fp32": "black", "stock": "tab:blue", "fp32-logits": "tab:green", "ours": "tab:orange"}
-STYLES = {"ours": "--", "fp32-logits": ":"}  # dashed, so that a curve on top of stock's still shows both
+STYLES = {"ours": "--", "fp32-logits": ":"}  # broken lines, so that a curve on top of stock's still shows both
 
 
 def load_runs(paths: list[Path]) -> list[dict]:
@@ -103,7 +104,7 @@ def run_section(run: dict, image: Path, out: Path) -> list[str]:
             lines.append(f"| {key} | " + " | ".join(cells) + " |")
         lines.append("")
     skipped = ("distance_to_fp32", "ratio_ours_to_stock", "ratio_to_stock", "gradient_error", "logged_keys")
-    skipped += ("gradient_error_ratio_to_stock",)
+    skipped += ("gradient_error_ratio_to_stock",)  # shown in the table above
     rest = {k: v for k, v in summary.items() if k not in skipped}
     lines += [f"- {key}: {_fmt(value)}" for key, value in rest.items()]
     if run.get("metrics"):
