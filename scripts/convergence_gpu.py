@@ -235,9 +235,6 @@ def run_model(name: str, family: str, settings: dict, args: argparse.Namespace) 
     if not distance["loss_curve"]["ours"] <= TOL.max_loss_distance:
         problems.append(f"loss_curve: ours' mean relative distance to fp32 exceeds {TOL.max_loss_distance:g}")
 
-    def ratios(values: dict[str, float]) -> dict[str, float | None]:
-        return {k: values[k] / values["stock"] if values["stock"] else None for k in BF16_RUNS if k != "stock"}
-
     return {
         "name": name,
         "reference": "fp32",
@@ -246,11 +243,7 @@ def run_model(name: str, family: str, settings: dict, args: argparse.Namespace) 
         "grad_norms": {k: r.grad_norms for k, r in runs.items()},
         "summary": {
             "distance_to_fp32": distance,
-            "ratio_to_stock": {k: ratios(v) for k, v in distance.items()},
             "gradient_error": gradients,
-            "gradient_error_ratio_to_stock": {
-                point: {part: ratios(v) for part, v in errors.items()} for point, errors in gradients.items()
-            },
             "ms_per_step": {k: 1e3 * r.seconds_per_step for k, r in runs.items()},
             "peak_gib": {k: r.peak_gib for k, r in runs.items()},
             "tokens_per_step": args.accum * args.micro_batch * args.seq,

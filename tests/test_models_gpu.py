@@ -21,16 +21,10 @@ from test_patches import (
     make_vision_language_model,
 )
 
-from hf_flce import apply_flce, revert_flce
+from hf_flce import apply_flce
 
 pytestmark = pytest.mark.gpu
 TIE = pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
-
-
-@pytest.fixture(autouse=True)
-def _no_class_patches():
-    yield
-    revert_flce()
 
 
 def model_and_inputs(name: str, tie: bool) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:

@@ -251,11 +251,11 @@ def _body_takes_labels(body_class: type) -> bool:
     return "labels" in inspect.signature(body_class.forward).parameters
 
 
-# the arguments of the shared body (``_forward``) besides ``self``; a vision-language forward's others go to its model
-_BODY_ARGUMENTS = (
-    "input_ids", "attention_mask", "position_ids", "past_key_values", "inputs_embeds", "labels", "use_cache",
-    "logits_to_keep",
-)  # fmt: skip
+# the named arguments of the shared body (``_forward``) after ``self``; a vision-language forward's others go to its
+# model
+_BODY_ARGUMENTS = tuple(
+    p.name for p in inspect.signature(_forward).parameters.values() if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+)[1:]
 
 
 @functools.cache
@@ -274,18 +274,14 @@ def multimodal_forward(stock: Callable) -> Callable:
     def forward(self, *args, **kwargs):
         bound = signature.bind(self, *args, **kwargs).arguments
         bound.pop(next(iter(signature.parameters)))  # self
-        body, rest = dict(defaults), {}
+        given = {}  # every argument passed, stock's **kwargs flattened
         for name, value in bound.items():
             if signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
-                rest.update(value)
-            elif name in body:
-                body[name] = value
+                given.update(value)
             else:
-                rest[name] = value
-        for name in _BODY_ARGUMENTS:
-            if name in rest:
-                body[name] = rest.pop(name)
-        return _forward(self, *(body[name] for name in _BODY_ARGUMENTS), **rest)
+                given[name] = value
+        body = [given.pop(name, defaults[name]) for name in _BODY_ARGUMENTS]
+        return _forward(self, *body, **given)
 
     forward.__signature__ = signature
     forward.__doc__ = (
