@@ -37,7 +37,7 @@ class FLCEStats:
 
 def loss_denominator(valid_rows_weight, opts: FLCEOptions, num_items_in_batch, device) -> torch.Tensor | None:
     """The scalar loss is ``sum / denominator``: num_items_in_batch, 1 for ``sum``, the (class-weighted) count of
-    non-ignored targets for ``mean``; None for ``reduction="none"``."""
+    non-ignored targets for ``mean`` (``valid_rows_weight``, read only then); None for ``reduction="none"``."""
     if num_items_in_batch is not None:
         den = torch.as_tensor(num_items_in_batch, device=device).to(torch.float32).reshape(())
     elif opts.reduction == "sum":
@@ -167,11 +167,13 @@ def fused_linear_cross_entropy(
     # model's last hidden state, which a per-token backward does not need whole.
     @functools.cache
     def denominator() -> torch.Tensor | None:
-        valid = y != opts.ignore_index
-        if cw is None:
-            valid_weight = valid.sum(dtype=torch.float32)
-        else:
-            valid_weight = torch.where(valid, cw[torch.where(valid, y, 0).clamp(0, vocab - 1)], 0.0).sum()
+        valid_weight = None
+        if num_items_in_batch is None and opts.reduction == "mean":
+            valid = y != opts.ignore_index
+            if cw is None:
+                valid_weight = valid.sum(dtype=torch.float32)
+            else:
+                valid_weight = torch.where(valid, cw[torch.where(valid, y, 0).clamp(0, vocab - 1)], 0.0).sum()
         return loss_denominator(valid_weight, opts, num_items_in_batch, device)
 
     params = TileParams(

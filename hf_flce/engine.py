@@ -602,19 +602,18 @@ def _chunk_forward(
 
 
 def _joined(parts: list[torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The chunks' ``[rows]`` results as one tensor of ``dtype``: a single chunk's as it is, unless it is a view (a
-    backend may return its statistics as rows of one buffer; views returned by an autograd Function cannot be
-    modified in place)."""
+    """The chunks' ``[rows]`` results as one tensor of ``dtype`` (a single chunk's as it is, possibly a view)."""
     if not parts:
         return torch.zeros(0, dtype=dtype, device=device)
     if len(parts) > 1:
         return torch.cat(parts).to(dtype)
-    part = parts[0].to(dtype)
-    return part.clone() if part._base is not None else part
+    return parts[0].to(dtype)
 
 
-def _joined_stats(chunk_stats: list[TileStats], device: torch.device) -> TileStats:
-    """Every kept row's statistics (float32; is_top1 bool)."""
+def _joined_stats(chunk_stats: list[TileStats], device: torch.device, plan: CallPlan) -> TileStats:
+    """Every kept row's statistics (float32; is_top1 bool): the loss, the lse and entropy backward may need, and the
+    others where the caller reads them (else None)."""
+    wanted = ("loss", "lse", "entropy", *(_PER_TOKEN if plan.want_stats else ()))
     return TileStats(
         **{
             f.name: _joined(
@@ -622,6 +621,8 @@ def _joined_stats(chunk_stats: list[TileStats], device: torch.device) -> TileSta
                 torch.bool if f.name == "is_top1" else torch.float32,
                 device,
             )
+            if f.name in wanted
+            else None
             for f in fields(TileStats)
         }
     )
@@ -644,14 +645,21 @@ _PER_TOKEN = ("logprob", "entropy", "lse", "is_top1", "mean_logit", "log_sum_sq_
 
 def _outputs(kept_stats: TileStats, plan: CallPlan, scatter) -> tuple[torch.Tensor, ...]:
     """The op's seven outputs from the kept rows' statistics; ``scatter`` places kept-row values into all rows."""
+
+    def placed(values: torch.Tensor) -> torch.Tensor:
+        # a backend may return its statistics as rows of one buffer; a view returned by an autograd Function cannot
+        # be modified in place
+        out = scatter(values)
+        return out.clone() if out._base is not None else out
+
     if plan.reduction == "none":
-        loss = scatter(kept_stats.loss)
+        loss = placed(kept_stats.loss)
     else:
         loss = kept_stats.loss.sum() / plan.denominator()
     if not plan.want_stats:
         # nobody reads them: empty placeholders instead of six scatters
         return (loss,) + tuple(loss.new_empty(0) for _ in _PER_TOKEN)
-    return (loss,) + tuple(scatter(getattr(kept_stats, name)) for name in _PER_TOKEN)
+    return (loss,) + tuple(placed(getattr(kept_stats, name)) for name in _PER_TOKEN)
 
 
 def _statistics_without_sync(
@@ -847,7 +855,7 @@ def _forward(x, weight, bias, target, plan: CallPlan, needs_input_grad) -> tuple
             grads = new_grads()
         grads.add_target_rows(x, ys, ignore_index)
 
-    kept_stats = _joined_stats(chunk_stats, x.device)
+    kept_stats = _joined_stats(chunk_stats, x.device, plan)
     outputs = _outputs(kept_stats, plan, lambda values: _scatter_rows(values, rows, n))
     if not need_grad:
         return outputs, None

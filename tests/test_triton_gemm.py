@@ -924,14 +924,15 @@ def test_kernel_computes_only_the_rows_counted_on_the_device(count):
     hidden, weight, target, _ = make_inputs(n, 24, v, ignore_every=0, seed=3)
     params = params_for(v)
     max_tiles = triton_gemm._max_tiles(v)
-    partials = torch.full((5 * max_tiles * n,), float("nan"), device=DEVICE)
-    best = torch.zeros(max_tiles * n, dtype=torch.int32, device=DEVICE)
+    stride = triton_gemm.partial_stride(n)  # 32: rows 21-31 of each tile are padding
+    partials = torch.full((5 * max_tiles * stride,), float("nan"), device=DEVICE)
+    best = torch.zeros(max_tiles * stride, dtype=torch.int32, device=DEVICE)
     rows = torch.tensor(count, dtype=torch.int32, device=DEVICE)
     none = (None, None, None)
     triton_gemm._gemm(hidden, weight, None, target, params, 0, None, partials, best, None, None, none, rows)
     tile_n = triton_gemm._head_gemm_kernel.best_config.kwargs["BN"]
     n_tiles = -(-v // tile_n)
-    maxima = partials[: n_tiles * n].view(n_tiles, n)
+    maxima = partials[: n_tiles * stride].view(n_tiles, stride)
     logits = hidden.double() @ weight.double().T
     padded = torch.nn.functional.pad(logits, (0, n_tiles * tile_n - v), value=float("-inf"))
     expected = padded.view(n, n_tiles, tile_n).amax(-1).T
@@ -947,8 +948,9 @@ def test_kernel_visits_every_tile_once_in_any_group_order(group_blocks):
     hidden, weight, target, _ = make_inputs(n, k, v, ignore_every=0, seed=5)
     params = params_for(v)
     max_tiles = triton_gemm._max_tiles(v)
-    partials = torch.full((5 * max_tiles * n,), float("nan"), device=DEVICE)
-    best = torch.zeros(max_tiles * n, dtype=torch.int32, device=DEVICE)
+    stride = triton_gemm.partial_stride(n)  # 160
+    partials = torch.full((5 * max_tiles * stride,), float("nan"), device=DEVICE)
+    best = torch.zeros(max_tiles * stride, dtype=torch.int32, device=DEVICE)
     group_bytes = triton_gemm.L2_GROUP_BYTES if group_blocks is None else group_blocks * 16 * k * hidden.element_size()
     with mock.patch.object(triton_gemm, "L2_GROUP_BYTES", group_bytes):
         triton_gemm._gemm(hidden, weight, None, target, params, 0, None, partials, best, None, None, (None,) * 3)
@@ -958,8 +960,9 @@ def test_kernel_visits_every_tile_once_in_any_group_order(group_blocks):
     padded = torch.nn.functional.pad(logits, (0, n_tiles * tile_n - v), value=float("-inf"))
     expected_max = padded.view(n, n_tiles, tile_n).amax(-1).T
     expected_sum = (padded.view(n, n_tiles, tile_n) - expected_max.T[..., None]).exp().sum(-1).T
-    assert_close(partials[: n_tiles * n].view(n_tiles, n), expected_max, 1e-5, "tile maxima")
-    assert_close(partials[n_tiles * n : 2 * n_tiles * n].view(n_tiles, n), expected_sum, 1e-5, "tile sums")
+    planes = partials[: 2 * n_tiles * stride].view(2, n_tiles, stride)[..., :n]
+    assert_close(planes[0], expected_max, 1e-5, "tile maxima")
+    assert_close(planes[1], expected_sum, 1e-5, "tile sums")
 
 
 @pytest.mark.parametrize("tma", [False, True])

@@ -95,3 +95,30 @@ def test_profiler_hooks_see_cached_launches(monkeypatch):
     launch(_scaled_copy_kernel, (2,), src, dst, 103, 4.0, 1, BLOCK=128)  # cached
     torch.testing.assert_close(dst[:103], src[:103] * 4.0, rtol=0, atol=0)
     assert len(seen) == 2 and seen[1].get()["name"] == "_scaled_copy_kernel"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_changing_row_counts_compile_nothing_new(monkeypatch, reduction):
+    """Batches whose token and kept-row counts change (divisible by 16 or not) reuse the kernels the first batch
+    compiled: the row counts are unspecialized, so training does not stop to compile a variant when it first meets a
+    count divisible by 16."""
+    from hf_flce import fused_linear_cross_entropy
+
+    vocab, hidden = 1000, 256
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    weight = (torch.randn(vocab, hidden, device="cuda", generator=gen) * 0.05).to(torch.bfloat16).requires_grad_()
+
+    def step(n: int) -> None:
+        x = torch.randn(n, hidden, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+        target = torch.randint(0, vocab, (n,), device="cuda", generator=gen)
+        target[::5] = -100
+        loss = fused_linear_cross_entropy(x, weight, target, reduction=reduction)
+        (loss if reduction == "mean" else loss.sum()).backward()
+
+    step(1003)  # 1003 rows, 802 kept
+    compiled = []
+    monkeypatch.setattr(triton.knobs.runtime, "jit_cache_hook", lambda **kwargs: compiled.append(kwargs["repr"]))
+    for n in (1000, 1008, 2048, 997, 1040):  # kept 800, 806, 1638, 797, 832
+        step(n)
+    assert compiled == []

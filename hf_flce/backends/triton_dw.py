@@ -71,7 +71,7 @@ def _round_to_bf16(v):
     return tl.where(v == v, bits.to(tl.float32, bitcast=True), v)  # NaN stays NaN
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["K"])
 def _dw_accumulate_kernel(
     g_ptr,
     stride_gn,

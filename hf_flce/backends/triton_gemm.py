@@ -76,6 +76,13 @@ _NEG_BIG = tl.constexpr(-3.0e38)
 MERGE_ROWS, MERGE_TILES = 16, 64
 
 
+def partial_stride(rows: int) -> int:
+    """Elements between two tiles' partial statistics of a row (``[stat, tile, row]`` layout): the row count rounded
+    up to 16, so that a row block's partials start 64-byte aligned for every count (vectorized loads and stores)
+    while the kernels take the count itself unspecialized (``triton_launch``)."""
+    return -(-rows // 16) * 16
+
+
 def _configs():
     if triton_interpreting():
         return [
@@ -309,7 +316,7 @@ def _scaled_half(
 
 
 @triton.autotune(configs=_configs(), key=["V", "K", "MODE"], prune_configs_by={"early_config_prune": _prune_configs})
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _head_gemm_kernel(
     x_ptr,
     stride_xn,
@@ -332,6 +339,7 @@ def _head_gemm_kernel(
     stride_ge,
     rows_ptr,
     N,
+    stride_pt,
     V,
     K,
     ignore_index,
@@ -392,7 +400,7 @@ def _head_gemm_kernel(
     # group and from L2 by every row block of it. As many row blocks as ``group_rows`` (their X tiles held in L2), at
     # least GROUP_M: a thin-H chunk is one group, and W comes from HBM once.
     group_m = tl.maximum(group_rows // BM, GROUP_M)
-    stat_stride = tiles_n * N
+    stat_stride = tiles_n * stride_pt
     programs = tl.num_programs(0)
     x_desc = x_ptr
     w_desc = w_ptr
@@ -536,10 +544,10 @@ def _head_gemm_kernel(
                         BN // 2,
                         FAST_TANH,
                     )
-                tl.store(part_ptr + pid_n * N + rows + stat_stride, sum_e, mask=row_ok)
+                tl.store(part_ptr + pid_n * stride_pt + rows + stat_stride, sum_e, mask=row_ok)
             else:
                 # Only the statistics asked for are computed; the target logit comes from _target_kernel.
-                part = part_ptr + pid_n * N + rows
+                part = part_ptr + pid_n * stride_pt + rows
                 if FIXED_REF:
                     # One reference per row fixed before the GEMM, m = t_y + ref_offset (+inf at ignored rows: e = 0
                     # there), instead of the tile's max: no max and no rescaling per logit, and MODE 3's E is e
@@ -569,7 +577,7 @@ def _head_gemm_kernel(
                 if TOP1:
                     # the first column holding the tile's max
                     first = tl.min(tl.where(t == m[:, None], cols[None, :], 2147483647), 1)
-                    tl.store(best_ptr + pid_n * N + rows, first, mask=row_ok)
+                    tl.store(best_ptr + pid_n * stride_pt + rows, first, mask=row_ok)
                 if MODE != 0:
                     stored = e
                     if MODE == 3:
@@ -590,7 +598,7 @@ def _head_gemm_kernel(
                             tl.store(out_ptrs, stored.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _kept_order_kernel(y_ptr, N, V, ignore_index, order_ptr, y_out_ptr, summary_ptr, BLOCK: tl.constexpr):
     """One program over the N targets: the kept rows' indices and targets first, in order (slots from a running
     prefix sum), then ``N - 1`` and ``ignore_index`` in the remaining slots; ``summary`` = (kept count, lowest kept
@@ -656,7 +664,7 @@ def read_later(summary: torch.Tensor) -> Callable[[], list[int]]:
     return read
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _target_kernel(
     x_ptr,
     stride_xn,
@@ -749,7 +757,7 @@ def _target_kernel(
         tl.store(out_ptr + rows, tl.where(valid, t, float("inf")), mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _merge_kernel(
     part_ptr,
     best_ptr,
@@ -775,6 +783,7 @@ def _merge_kernel(
     mean_ptr,
     lssp_ptr,
     N,
+    stride_pt,
     V,
     n_tiles,
     ignore_index,
@@ -802,7 +811,7 @@ def _merge_kernel(
     row_ok = rows < N
     y = tl.load(y_ptr + rows, mask=row_ok, other=ignore_index)
     valid = row_ok & (y != ignore_index)
-    stat_stride = n_tiles * N
+    stat_stride = n_tiles * stride_pt
     sum_e = tl.zeros((BR,), tl.float32)
     sum_e_tm = tl.zeros((BR,), tl.float32)
     sum_e2 = tl.zeros((BR,), tl.float32)
@@ -815,7 +824,7 @@ def _merge_kernel(
             tiles = t0 + tl.arange(0, BT)
             mask = (tiles[:, None] < n_tiles) & valid[None, :]
             sum_e += tl.sum(
-                tl.load(part_ptr + stat_stride + tiles[:, None] * N + rows[None, :], mask=mask, other=0.0), 0
+                tl.load(part_ptr + stat_stride + tiles[:, None] * stride_pt + rows[None, :], mask=mask, other=0.0), 0
             )
     else:
         row_max = tl.full((BR,), _NEG_BIG, tl.float32)
@@ -823,12 +832,12 @@ def _merge_kernel(
             tiles = t0 + tl.arange(0, BT)
             # ignored rows' partials are never read: the GEMM may have skipped them (ROWS_ON_DEVICE)
             mask = (tiles[:, None] < n_tiles) & valid[None, :]
-            m = tl.load(part_ptr + tiles[:, None] * N + rows[None, :], mask=mask, other=_NEG_BIG)
+            m = tl.load(part_ptr + tiles[:, None] * stride_pt + rows[None, :], mask=mask, other=_NEG_BIG)
             row_max = tl.maximum(row_max, tl.max(m, 0))
         for t0 in range(0, n_tiles, BT):
             tiles = t0 + tl.arange(0, BT)
             mask = (tiles[:, None] < n_tiles) & valid[None, :]
-            offs = tiles[:, None] * N + rows[None, :]
+            offs = tiles[:, None] * stride_pt + rows[None, :]
             m = tl.load(part_ptr + offs, mask=mask, other=_NEG_BIG)
             shift = tl.where(mask, m - row_max[None, :], 0.0)
             # a partial with max m holds sums relative to m: relative to the row max they scale by exp(m - row_max)
@@ -907,7 +916,7 @@ def _merge_kernel(
     tl.store(lssp_ptr + rows, tl.where(valid, log_sum_sq, 0.0), mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _grad_from_e_kernel(
     e_ptr,
     stride_en,
@@ -1177,6 +1186,7 @@ def _gemm(
         *_vectors(upstream, spare),
         spare if rows_on_device is None else rows_on_device,
         n,
+        partial_stride(n),
         columns,
         k,
         params.ignore_index,
@@ -1331,8 +1341,9 @@ def forward(
     mode = MODE_SCALED if scaled else MODE_KEEP if keep else MODE_STATS
     # Sized for the narrowest tile this launch may run; the kernel indexes them by the tile width the autotuner picked.
     max_tiles = _max_tiles(vocab, _tma_usable(x, weight))
-    partials = torch.empty(_planes(params) * max_tiles * n, **f32)
-    best = torch.empty(max_tiles * n if _stat_flags(params)["TOP1"] else 1, dtype=torch.int32, device=dev)
+    stride = partial_stride(n)
+    partials = torch.empty(_planes(params) * max_tiles * stride, **f32)
+    best = torch.empty(max_tiles * stride if _stat_flags(params)["TOP1"] else 1, dtype=torch.int32, device=dev)
     fixed_ref = scaled and _row_reference(params)
     e = t_y = None
     if scaled:
@@ -1395,6 +1406,7 @@ def forward(
             stats.mean_logit,
             stats.log_sum_sq_probs,
             n,
+            stride,
             vocab,
             n_tiles,
             params.ignore_index,
@@ -1418,7 +1430,8 @@ def forward(
         return stats, None
     # the maxima of the tiles e is kept for (the first plane) outlive the call, apart from the other planes
     kept_tiles = triton.cdiv(e.shape[1], tile_n)
-    return stats, KeptSoftmax(e, partials[: kept_tiles * n].view(kept_tiles, n).clone(), tile_n, t_y)
+    maxima = partials[: kept_tiles * stride].view(kept_tiles, stride).clone()[:, :n]
+    return stats, KeptSoftmax(e, maxima, tile_n, t_y)
 
 
 def gradient(

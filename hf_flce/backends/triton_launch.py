@@ -9,6 +9,13 @@ and 58 µs to ``CompiledKernel.__getitem__``'s runner and the launch. Here the c
 least as fine as Triton's specialization and handed straight to its launcher, as ``JITFunction.run`` itself does
 once it has the kernel; the first launch of each key goes through Triton as usual. Under the interpreter (CPU tests)
 every launch goes through Triton.
+
+Triton compiles a variant of a kernel for each specialization of its integer arguments (divisible by 16, equal to
+1). A row count changes from batch to batch, so the kernels take theirs unspecialized (``do_not_specialize``): in the
+GPU convergence loop on an H100 (docs/PERF_NOTES.md v38) a count divisible by 16, first met at step 1 or 4, compiled
+five more variants (the head GEMM's among them) and made those steps 1.1 and 3.3 s long on a cold cache. A row count
+only bounds masks across rows; where rows are also a stride (the partial statistics), the stride is the count rounded
+up to 16 (``triton_gemm.partial_stride``).
 """
 
 from __future__ import annotations

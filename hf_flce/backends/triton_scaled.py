@@ -54,7 +54,7 @@ def supports(x_dtype: torch.dtype, bias: torch.Tensor | None, params: TileParams
     return x_dtype == torch.bfloat16 and bias is None and params.label_smoothing == 0.0
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _row_scales_kernel(
     e_ptr,
     stride_en,
@@ -170,7 +170,7 @@ def exact_row(
     return row_lse
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "row0"])
 def _scaled_rows_kernel(
     src_ptr,
     stride_src,
@@ -240,7 +240,7 @@ def _target_terms(order_ptr, pos, ok, c_ptr, x_ptr, stride_xn, x_rows_ptr, cols,
     return c[:, None] * x.to(tl.float32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _target_rows_kernel(
     sorted_y_ptr,
     order_ptr,
