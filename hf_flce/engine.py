@@ -613,7 +613,7 @@ def _joined(parts: list[torch.Tensor], dtype: torch.dtype, device: torch.device)
 def _joined_stats(chunk_stats: list[TileStats], device: torch.device, plan: CallPlan) -> TileStats:
     """Every kept row's statistics (float32; is_top1 bool): the loss, the lse and entropy backward may need, and the
     others where the caller reads them (else None)."""
-    wanted = ("loss", "lse", "entropy", *(_PER_TOKEN if plan.want_stats else ()))
+    wanted = ("loss", *_PER_TOKEN) if plan.want_stats else ("loss", "lse", "entropy")
     return TileStats(
         **{
             f.name: _joined(
