@@ -46,8 +46,9 @@ def loss_denominator(valid_rows_weight, opts: FLCEOptions, num_items_in_batch, d
         den = valid_rows_weight
     else:
         return None
-    # Nothing to average over (every label ignored): the sum is 0 and so is the loss, not NaN.
-    return torch.where(den == 0, 1.0, den)
+    # Nothing to average over (every label ignored): the sum is 0 and so is the loss, not NaN. (den + (den == 0) is
+    # torch.where(den == 0, 1.0, den) in two launches instead of three: the scalar 1.0 would be a tensor filled first.)
+    return den + (den == 0)
 
 
 # torch.compile runs the op eagerly (one graph break): its chunk loop sizes GEMMs from the data, which a traced graph

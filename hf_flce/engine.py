@@ -111,14 +111,12 @@ def _logits_16bit(plan: CallPlan, x: torch.Tensor, bias: torch.Tensor | None) ->
     )
 
 
-def _can_compact() -> bool:
+def _can_compact(device: torch.device) -> bool:
     # Compaction sizes the batch on the host (one sync). Under compilation or CUDA graph capture that is not allowed,
     # so every row is processed and the tiles zero the ignored ones instead.
     if torch.compiler.is_compiling():
         return False
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        return False
-    return True
+    return device.type != "cuda" or not torch.cuda.is_current_stream_capturing()
 
 
 def check_target_range(target: torch.Tensor, vocab: int, ignore_index: int) -> None:
@@ -543,7 +541,7 @@ def _chunk_forward(
     ys,
     plan: CallPlan,
     fused,
-    grad_scale,
+    inv_denominator,
     eager: bool,
     keep: bool,
     scaled: bool = False,
@@ -552,13 +550,16 @@ def _chunk_forward(
     keep_columns: int | None = None,
 ):
     """One chunk: its row statistics, the detached target probability (DFT only), for a scalar loss the logits
-    gradient times ``grad_scale()`` (one value per row, asked for once the logits GEMM is launched; with ``scaled``
-    as the epilogue path's ``ScaledGradient``), and with ``keep`` what the per-token backward reuses.
+    gradient times ``inv_denominator()`` (0-d, asked for once the logits GEMM is launched; with ``scaled`` as the
+    epilogue path's ``ScaledGradient``), and with ``keep`` what the per-token backward reuses.
     ``settle`` (a scaled gradient's first chunk, launched before the host knows how many rows are kept, with the GEMM
     reading that count from ``rows_on_device``): called once the GEMM is launched, it returns how many of the
     chunk's leading rows count, and the results are cut to them. ``keep_columns`` (with ``keep``): only the leading
     columns' e is kept."""
     n_rows = x_chunk.shape[0]
+    # a scaled gradient's row scales come from the GEMM's path already times the upstream 0-d (no pass for it), but
+    # for DFT, whose per-row factor is known only after the statistics
+    scaled_upstream = inv_denominator if scaled and eager and not plan.prob_weighted else None
     if fused is not None:
         stats, kept = fused.forward(
             x_chunk,
@@ -570,13 +571,14 @@ def _chunk_forward(
             rows_on_device=rows_on_device,
             scaled=scaled,
             keep_columns=keep_columns,
+            upstream=scaled_upstream,
         )
         if settle is not None:
             n_rows = settle()
             stats, kept, ys = stats.head(n_rows), kept.head(n_rows), ys[:n_rows]
     else:
         kept = compute_logits(x_chunk, w_c, bias, _logits_16bit(plan, x_chunk, bias))
-    scale = grad_scale()[:n_rows] if eager else None
+    scale = inv_denominator().expand(n_rows) if eager and scaled_upstream is None else None
     grad_out = prob = None
     if fused is None and eager and not plan.prob_weighted:
         # statistics and gradient in one pass over the logits
@@ -592,7 +594,7 @@ def _chunk_forward(
             scale = scale * prob
     if eager and grad_out is None:
         if scaled:
-            grad_out = kept.times(scale)
+            grad_out = kept if scaled_upstream is not None else kept.times(scale)
         elif fused is not None:
             grad_out = fused.gradient(kept, ys, stats.lse, stats.entropy, plan.params, x_chunk.dtype, scale)
         else:
@@ -657,8 +659,8 @@ def _outputs(kept_stats: TileStats, plan: CallPlan, scatter) -> tuple[torch.Tens
     else:
         loss = kept_stats.loss.sum() / plan.denominator()
     if not plan.want_stats:
-        # nobody reads them: empty placeholders instead of six scatters
-        return (loss,) + tuple(loss.new_empty(0) for _ in _PER_TOKEN)
+        # nobody reads them: one empty placeholder in their six places instead of six scatters
+        return (loss,) + (loss.new_empty(0),) * len(_PER_TOKEN)
     return (loss,) + tuple(placed(getattr(kept_stats, name)) for name in _PER_TOKEN)
 
 
@@ -675,7 +677,7 @@ def _statistics_without_sync(
     statistics and gathered rows exceed the budget (it takes the chunked path), or one that may not sync at all (graph
     capture, compilation)."""
     n, vocab = x.shape[0], w_c.shape[0]
-    if fused is None or n == 0 or not _can_compact():
+    if fused is None or n == 0 or not _can_compact(x.device):
         return None
     # the partial statistics and the gathered rows (plus their cast under autocast), within the budget as one chunk
     row_bytes = x.element_size() + (0 if x.dtype == w_c.dtype else w_c.element_size())
@@ -759,14 +761,14 @@ def _forward(x, weight, bias, target, plan: CallPlan, needs_input_grad) -> tuple
     # so this is done only where that chunk fits the budget: where one chunk is taken for costing less than the
     # accumulator it saves, sizing it by every row would spend up to that accumulator more.
     deferred = False
-    if scaled and n > 0 and _can_compact():
+    if scaled and n > 0 and _can_compact(x.device):
         chunk = _plan_rows(plan, n, vocab, per_logit, residual, accumulator, logits_16bit)
         deferred = chunk * vocab * per_logit <= plan.budget
     if deferred:
         compaction = _DeviceCompaction.start(fused, target, vocab, ignore_index)
         rows, ys = compaction.order, compaction.targets
     else:
-        rows, ys = kept_rows(target, vocab, ignore_index, _can_compact(), fused)
+        rows, ys = kept_rows(target, vocab, ignore_index, _can_compact(x.device), fused)
     n_valid = ys.shape[0]
     if not deferred:
         chunk = _plan_rows(plan, n_valid, vocab, per_logit, residual, accumulator, logits_16bit)
@@ -810,8 +812,8 @@ def _forward(x, weight, bias, target, plan: CallPlan, needs_input_grad) -> tuple
     # Asked for after the first GEMM's launch: the denominator's few small launches then run under that GEMM
     # instead of delaying it (an isolated call's GPU waits for every host step before the GEMM).
     @functools.cache
-    def grad_scale() -> torch.Tensor:
-        return (1.0 / plan.denominator()).to(torch.float32).expand(n)
+    def inv_denominator() -> torch.Tensor:
+        return plan.denominator().to(torch.float32).reciprocal()
 
     grads = kept = None
     chunk_stats, chunk_probs = [], []
@@ -827,7 +829,7 @@ def _forward(x, weight, bias, target, plan: CallPlan, needs_input_grad) -> tuple
             ys[start:end],
             plan,
             fused,
-            grad_scale,
+            inv_denominator,
             eager,
             keep,
             scaled,

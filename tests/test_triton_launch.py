@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 from test_triton_backend import DEVICE
 
-from hf_flce.backends import triton_launch
+from hf_flce.backends import cdiv, next_power_of_2, triton_launch
 from hf_flce.backends.triton_launch import _key, launch
 
 
@@ -23,6 +23,15 @@ def _scaled_copy_kernel(src_ptr, dst_ptr, n, scale, step, BLOCK: tl.constexpr, A
 
 def _arg_key(value):
     return _key(_scaled_copy_kernel, 0, (value,), {})
+
+
+def test_host_grid_helpers_match_triton():
+    """The grid arithmetic done on the host without Triton's constexpr-function wrapper gives Triton's values."""
+    for n in [*range(1, 300), 4095, 4096, 4097, 151936, 2**31 - 1, 2**31, 2**40 + 3]:
+        assert next_power_of_2(n) == triton.next_power_of_2(n), n
+        for block in (1, 3, 16, 32, 128, 256):
+            assert cdiv(n, block) == triton.cdiv(n, block), (n, block)
+    assert cdiv(0, 16) == 0
 
 
 def test_key_separates_what_triton_specializes_on():

@@ -16,9 +16,8 @@ An operand is "K-major" when its tile is stored ``[rows, K]`` (the logits GEMM's
 from __future__ import annotations
 
 import torch
-import triton
 
-from . import cuda_properties, triton_gemm
+from . import cdiv, cuda_properties, triton_gemm
 
 try:
     from triton.experimental import gluon
@@ -60,7 +59,7 @@ def descriptor(t: torch.Tensor, block: list[int]):
 
 def programs(device: torch.device, m: int, n: int, bm: int, bn: int) -> int:
     """Persistent grid: one program per SM, at most one per ``[bm, bn]`` tile of an ``[m, n]`` output."""
-    return min(triton_gemm._program_limit(device), triton.cdiv(m, bm) * triton.cdiv(n, bn))
+    return min(triton_gemm._program_limit(device), cdiv(m, bm) * cdiv(n, bn))
 
 
 if AVAILABLE:

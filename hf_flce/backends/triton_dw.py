@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import triton_interpreting
+from . import cdiv, triton_interpreting
 from .triton_gemm import _program_limit, _tma_scratch, _tma_usable, grouped_tile
 from .triton_launch import launch
 from .triton_tiles import TritonTileOps
@@ -244,7 +244,7 @@ class ResidualDW:
         with TritonTileOps._device_guard(self.hi.device):
             launch(
                 _dw_accumulate_kernel,
-                (min(programs, triton.cdiv(m, bm) * triton.cdiv(n, bn)),),
+                (min(programs, cdiv(m, bm) * cdiv(n, bn)),),
                 grad_logits,
                 grad_logits.stride(0),
                 x_chunk,

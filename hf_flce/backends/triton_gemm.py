@@ -54,7 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import cuda_properties, triton_interpreting, triton_scaled
+from . import cdiv, cuda_properties, triton_interpreting, triton_scaled
 from .base import TileParams, TileStats, check_columns
 from .triton_launch import launch
 from .triton_scaled import exact_row
@@ -1040,7 +1040,7 @@ def _max_tiles(vocab: int, tma: bool | None = None) -> int:
     half the partials of the narrowest tile without (at 32k rows of a 128k vocabulary, 66 MB less per plane)."""
     configs = _head_gemm_kernel.configs
     configs = [c for c in configs if tma is None or c.kwargs["USE_TMA"] == tma] or configs
-    return triton.cdiv(vocab, min(c.kwargs["BN"] for c in configs))
+    return cdiv(vocab, min(c.kwargs["BN"] for c in configs))
 
 
 def partial_bytes_per_row(vocab: int, params: TileParams) -> int:
@@ -1150,15 +1150,17 @@ def _gemm(
     first_column=0,
     out_columns=None,
     target_apart=False,
+    use_tma=None,
 ):
     """``weight`` (and ``bias``) may hold the head's rows from ``first_column`` on (MODE_GRAD only): the output's
     columns are theirs, while the statistics' constants still come from the whole vocabulary (``params.vocab``).
     ``out_columns`` (MODE_KEEP, a multiple of every configuration's BN): ``out`` holds e's first columns only.
-    ``target_apart`` (MODE_GRAD): the gradient has 0 at each row's target column."""
+    ``target_apart`` (MODE_GRAD): the gradient has 0 at each row's target column. ``use_tma``: ``_tma_usable(x,
+    weight)`` where the caller has it."""
     n, k = x.shape
     columns = weight.shape[0]
     partial_out = out_columns is not None and out_columns < columns
-    use_tma = _tma_usable(x, weight)
+    use_tma = _tma_usable(x, weight) if use_tma is None else use_tma
     if use_tma:
         # device-side tensor descriptors live in scratch memory that Triton asks its allocator for
         triton.set_allocator(_tma_scratch)
@@ -1167,7 +1169,7 @@ def _gemm(
     split = mode == MODE_SCALED and fixed_ref and _split_epilogue()
 
     def grid(meta):
-        return (min(programs, triton.cdiv(n, meta["BM"]) * triton.cdiv(columns, meta["BN"])),)
+        return (min(programs, cdiv(n, meta["BM"]) * cdiv(columns, meta["BN"])),)
 
     args = (
         x,
@@ -1255,7 +1257,7 @@ def _launch_target_kernel(x, weight, bias, target, params, out, grad=None):
     lse, entropy, upstream = grad if grad is not None else (out, out, (None, None, None))
     launch(
         _target_kernel,
-        (triton.cdiv(x.shape[0], br),),
+        (cdiv(x.shape[0], br),),
         x,
         x.stride(0),
         weight,
@@ -1314,6 +1316,7 @@ def forward(
     rows_on_device: torch.Tensor | None = None,
     scaled: bool = False,
     keep_columns: int | None = None,
+    upstream: Callable[[], torch.Tensor] | None = None,
 ) -> tuple[TileStats, KeptSoftmax | triton_scaled.ScaledGradient | None]:
     """Statistics of every row of ``x W^T + b`` (and, with ``keep``, what the gradient pass needs), without ever
     materialising the logits. ``rows_on_device`` (an integer tensor; statistics only, or a scaled gradient): the GEMM
@@ -1321,8 +1324,9 @@ def forward(
     rows after them must have ``ignore_index`` targets, and a scaled gradient's ``E`` is left unwritten there (the
     caller cuts those rows off once it knows the count). ``scaled`` (a scalar loss, ``triton_scaled.supports``): the
     second result is the logits gradient as a ``ScaledGradient`` per unit of upstream gradient, with no pass over the
-    logits after the GEMM. ``keep_columns`` (with ``keep``, a multiple of ``COLUMN_ALIGN``): e is kept for the first
-    columns only, the rest of a per-token loss's logits being recomputed in backward."""
+    logits after the GEMM; with ``upstream`` (a function giving the 0-d float32 upstream gradient, called once the GEMM
+    is launched), for that gradient instead. ``keep_columns`` (with ``keep``, a multiple of ``COLUMN_ALIGN``): e is
+    kept for the first columns only, the rest of a per-token loss's logits being recomputed in backward."""
     n, vocab = x.shape[0], params.vocab
     if keep_columns is not None and (not keep or keep_columns % COLUMN_ALIGN or keep_columns <= 0):
         raise ValueError(f"keep_columns must be a positive multiple of {COLUMN_ALIGN} with keep, got {keep_columns}")
@@ -1340,7 +1344,8 @@ def forward(
         return stats, (KeptSoftmax(empty, stats.loss.view(1, 0), 1, stats.loss) if keep else None)
     mode = MODE_SCALED if scaled else MODE_KEEP if keep else MODE_STATS
     # Sized for the narrowest tile this launch may run; the kernel indexes them by the tile width the autotuner picked.
-    max_tiles = _max_tiles(vocab, _tma_usable(x, weight))
+    use_tma = _tma_usable(x, weight)
+    max_tiles = _max_tiles(vocab, use_tma)
     stride = partial_stride(n)
     partials = torch.empty(_planes(params) * max_tiles * stride, **f32)
     best = torch.empty(max_tiles * stride if _stat_flags(params)["TOP1"] else 1, dtype=torch.int32, device=dev)
@@ -1372,6 +1377,7 @@ def forward(
             t_y,
             fixed_ref,
             out_columns=e_columns,
+            use_tma=use_tma,
         )
         # the partials' layout follows the tile width the autotuner picked for this launch
         tile_n = config.kwargs["BN"]
@@ -1380,10 +1386,10 @@ def forward(
         if t_y is None:
             t_y = torch.empty(n, **f32)
             _launch_target_kernel(x, weight, bias, target, params, t_y)
-        n_tiles = triton.cdiv(vocab, tile_n)
+        n_tiles = cdiv(vocab, tile_n)
         launch(
             _merge_kernel,
-            (triton.cdiv(n, MERGE_ROWS),),
+            (cdiv(n, MERGE_ROWS),),
             partials,
             best,
             t_y,
@@ -1425,11 +1431,12 @@ def forward(
             num_warps=4,
         )
     if scaled:
-        return stats, triton_scaled.row_scales(e, target, t_y, stats.lse, params, transform_args(params))
+        g = None if upstream is None else upstream()
+        return stats, triton_scaled.row_scales(e, target, t_y, stats.lse, params, transform_args(params), g)
     if not keep:
         return stats, None
     # the maxima of the tiles e is kept for (the first plane) outlive the call, apart from the other planes
-    kept_tiles = triton.cdiv(e.shape[1], tile_n)
+    kept_tiles = cdiv(e.shape[1], tile_n)
     maxima = partials[: kept_tiles * stride].view(kept_tiles, stride).clone()[:, :n]
     return stats, KeptSoftmax(e, maxima, tile_n, t_y)
 
@@ -1459,7 +1466,7 @@ def gradient(
     with TritonTileOps._device_guard(e.device):
         launch(
             _grad_from_e_kernel,
-            (triton.cdiv(n, br), triton.cdiv(vocab, kept.tile_n)),
+            (cdiv(n, br), cdiv(vocab, kept.tile_n)),
             e,
             e.stride(0),
             out,

@@ -74,16 +74,20 @@ def launch(kernel, grid: Sequence[int], *args, **kwargs) -> None:
     compiled, tail = entry
     grid = (*grid, 1, 1)[:3]
     stream = driver.active.get_current_stream(device)
+    enter_hook, exit_hook = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
     # what JITFunction.run does once it has the compiled kernel: the launcher takes every parameter in signature order
-    # (constexprs included), and a profiler's launch hooks get their metadata
+    # (constexprs included); only a profiler's launch hooks read the metadata, which is not built without them
+    metadata = (
+        None if enter_hook is None and exit_hook is None else compiled.launch_metadata(grid, stream, *args, *tail)
+    )
     compiled.run(
         *grid,
         stream,
         compiled.function,
         compiled.packed_metadata,
-        compiled.launch_metadata(grid, stream, *args, *tail),
-        knobs.runtime.launch_enter_hook,
-        knobs.runtime.launch_exit_hook,
+        metadata,
+        enter_hook,
+        exit_hook,
         *args,
         *tail,
     )

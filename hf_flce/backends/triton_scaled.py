@@ -39,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import cdiv, next_power_of_2
 from .base import TileParams
 from .triton_launch import launch
 from .triton_tiles import HW_TANH, TritonTileOps, _transform, fast_exp
@@ -61,6 +62,7 @@ def _row_scales_kernel(
     y_ptr,
     ty_ptr,
     lse_ptr,
+    g_ptr,
     r_ptr,
     q_ptr,
     N,
@@ -73,12 +75,13 @@ def _row_scales_kernel(
     HAS_SOFTCAP: tl.constexpr,
     HAS_TEMPERATURE: tl.constexpr,
     HAS_ZLOSS: tl.constexpr,
+    HAS_UPSTREAM: tl.constexpr,
     BR: tl.constexpr,
 ):
-    """Per row, per unit of upstream gradient: the scale ``r = exp(m - lse) (1 + 2 z lse)`` of ``E`` and the target
-    column's gradient ``q = (p_y (1 + 2 z lse) - 1) dt_y`` (both 0 at ignored rows); ``E``'s target column is set to 0.
-    Rows whose loss exceeds ``repair_above`` had ``E`` written again with ``m = lse`` by the merge (``exact_row``), so
-    ``r = 1 + 2 z lse`` there."""
+    """Per row, per unit of upstream gradient (times the 0-d ``g`` with ``HAS_UPSTREAM``): the scale
+    ``r = exp(m - lse) (1 + 2 z lse)`` of ``E`` and the target column's gradient ``q = (p_y (1 + 2 z lse) - 1) dt_y``
+    (both 0 at ignored rows); ``E``'s target column is set to 0. Rows whose loss exceeds ``repair_above`` had ``E``
+    written again with ``m = lse`` by the merge (``exact_row``), so ``r = 1 + 2 z lse`` there."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     row_ok = rows < N
     y = tl.load(y_ptr + rows, mask=row_ok, other=ignore_index)
@@ -101,6 +104,10 @@ def _row_scales_kernel(
     ref = tl.where(repair, lse, t_y + ref_offset)
     r = tl.where(valid, fast_exp(ref - lse) * z_factor, 0.0)
     q = tl.where(valid, (p_y * z_factor - 1.0) * dt_y, 0.0)
+    if HAS_UPSTREAM:
+        g = tl.load(g_ptr)
+        r *= g
+        q *= g
     tl.store(r_ptr + rows, r, mask=row_ok)
     tl.store(q_ptr + rows, q, mask=row_ok)
     e_rows = e_ptr + rows.to(tl.int64) * stride_en
@@ -325,11 +332,11 @@ def scale_rows(
     n, h = src.shape
     if n == 0:
         return out
-    br, bh = 16, min(256, triton.next_power_of_2(h))
+    br, bh = 16, min(256, next_power_of_2(h))
     with TritonTileOps._device_guard(src.device):
         launch(
             _scaled_rows_kernel,
-            (triton.cdiv(n, br), triton.cdiv(h, bh)),
+            (cdiv(n, br), cdiv(h, bh)),
             src,
             src.stride(0),
             src if row_scale is None else row_scale,
@@ -409,11 +416,11 @@ class ScaledGradient:
         # 32-bit keys: the radix sort takes half the passes of int64's (every class id and ignore_index fit)
         sorted_y, order = torch.sort(target.to(torch.int32), stable=True)
         upper = dw if dw_upper is None or not dw_upper.numel() else dw_upper
-        bp, bh = 32, min(128, triton.next_power_of_2(h))
+        bp, bh = 32, min(128, next_power_of_2(h))
         with TritonTileOps._device_guard(x.device):
             launch(
                 _target_rows_kernel,
-                (triton.cdiv(n, bp), triton.cdiv(h, bh)),
+                (cdiv(n, bp), cdiv(h, bh)),
                 sorted_y,
                 order,
                 target_coef,
@@ -442,9 +449,11 @@ def row_scales(
     lse: torch.Tensor,
     params: TileParams,
     transform: tuple[float, float, float],
+    upstream: torch.Tensor | None = None,
 ) -> ScaledGradient:
-    """The chunk's ``ScaledGradient`` per unit of upstream gradient, once its lse is known (``_row_scales_kernel``;
-    the merge has rewritten the rows past ``REPAIR_ABOVE``)."""
+    """The chunk's ``ScaledGradient`` per unit of upstream gradient, or for the 0-d float32 ``upstream`` (what its
+    ``times`` would give, without two more launches), once its lse is known (``_row_scales_kernel``; the merge has
+    rewritten the rows past ``REPAIR_ABOVE``)."""
     n = e.shape[0]
     r = torch.empty(n, dtype=torch.float32, device=e.device)
     q = torch.empty(n, dtype=torch.float32, device=e.device)
@@ -453,12 +462,13 @@ def row_scales(
         with TritonTileOps._device_guard(e.device):
             launch(
                 _row_scales_kernel,
-                (triton.cdiv(n, br),),
+                (cdiv(n, br),),
                 e,
                 e.stride(0),
                 target,
                 t_y,
                 lse,
+                r if upstream is None else upstream,
                 r,
                 q,
                 n,
@@ -470,6 +480,7 @@ def row_scales(
                 HAS_SOFTCAP=params.softcap is not None,
                 HAS_TEMPERATURE=params.inv_temperature != 1.0,
                 HAS_ZLOSS=params.z_loss != 0.0,
+                HAS_UPSTREAM=upstream is not None,
                 BR=br,
                 num_warps=4,
             )

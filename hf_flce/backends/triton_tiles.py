@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from . import cuda_properties, triton_interpreting
+from . import cdiv, cuda_properties, next_power_of_2, triton_interpreting
 from .base import TileParams, TileStats, check_columns
 from .triton_launch import launch
 
@@ -406,10 +406,10 @@ def launch_config(vocab: int, rows: int, device: torch.device) -> tuple[int, int
     overall (statistics 2.0, forward with gradient 3.0-3.2, backward 4.0-4.5 TB/s)."""
     if device.type != "cuda":
         # the interpreter: few, wide numpy operations are faster
-        return min(triton.next_power_of_2(vocab), 256), 1
+        return min(next_power_of_2(vocab), 256), 1
     sms = cuda_properties(device).multi_processor_count
     block, num_warps = (512, 1) if rows >= 12 * sms else (2048, 4) if rows >= 4 * sms else (4096, 8)
-    return min(triton.next_power_of_2(vocab), block), num_warps
+    return min(next_power_of_2(vocab), block), num_warps
 
 
 class TritonTileOps:
@@ -452,7 +452,7 @@ class TritonTileOps:
     def _config(self, vocab: int, rows: int, device: torch.device) -> tuple[int, int]:
         block, num_warps = launch_config(vocab, rows, device)
         if self.block is not None:
-            block = min(triton.next_power_of_2(vocab), self.block)
+            block = min(next_power_of_2(vocab), self.block)
         return block, self.num_warps or num_warps
 
     @staticmethod
@@ -552,7 +552,7 @@ class TritonTileOps:
                 in_place = src.data_ptr() == out.data_ptr() and src.dtype == out.dtype
                 launch(
                     _scale_kernel,
-                    (triton.cdiv(n, block),),
+                    (cdiv(n, block),),
                     src,
                     out,
                     scale,
