@@ -363,7 +363,8 @@ def scale_rows(
 @dataclass
 class ScaledGradient:
     """A chunk's logits gradient ``G = diag(s) E`` plus the target column ``c`` (module docstring). ``row_scale`` and
-    ``target_coef`` are per unit of upstream gradient until ``times`` gives them their per-row upstream scale."""
+    ``target_coef`` are per unit of upstream gradient until ``times`` gives them their per-row upstream scale, unless
+    ``row_scales`` formed them for a 0-d upstream gradient already."""
 
     e: torch.Tensor  # [rows, V] bf16, 0 at each row's target column
     row_scale: torch.Tensor  # [rows] float32
