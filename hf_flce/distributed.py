@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .api import FLCEStats, fused_linear_cross_entropy, loss_denominator
+from .backends import cdiv
 from .backends.base import TileParams
 from .backends.torch_tiles import TorchTileOps
 from .engine import _chunks, _GradBuffers, _scatter_rows, compute_logits, kept_rows
@@ -206,7 +207,7 @@ class _VocabParallelFunction(torch.autograd.Function):
         chunk = max(n_valid, 1) if whole else max(1, plan.budget // (plan.chunk_vocab * _BYTES_PER_LOGIT))
         grads = None
         if eager:
-            n_chunks = max(1, -(-n_valid // chunk))
+            n_chunks = max(1, cdiv(n_valid, chunk))
             chunk_bytes = chunk * local_vocab * _BYTES_PER_LOGIT
             grads = _GradBuffers(n_valid, xs.dtype, weight, weight.dtype, n_chunks, *need, chunk_bytes=chunk_bytes)
             per_unit = (1.0 / plan.denominator).to(torch.float32).expand(n_valid)
@@ -317,7 +318,7 @@ def _recompute_grads(x, weight, bias, rows, y_local, owned, lse, entropy, kept, 
     n_valid = rows.numel()
     xs = x.index_select(0, rows)
     chunk = max(n_valid, 1) if kept is not None else max(1, plan.budget // (weight.shape[0] * _BYTES_PER_LOGIT))
-    n_chunks = -(-n_valid // chunk)
+    n_chunks = cdiv(n_valid, chunk)
     chunk_bytes = chunk * weight.shape[0] * _BYTES_PER_LOGIT
     grads = _GradBuffers(n_valid, xs.dtype, weight, weight.dtype, n_chunks, *need, chunk_bytes=chunk_bytes)
     for start, end in _chunks(n_valid, chunk):

@@ -19,7 +19,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from .backends import cuda_properties
+from .backends import cdiv, cuda_properties
 from .backends.base import TileOps, TileParams, TileStats
 
 _HAS_MM_OUT_DTYPE = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 8)
@@ -209,8 +209,8 @@ def plan_chunk_rows(
     max_rows = max(1, budget // bytes_per_row)
     if not balanced:
         return min(n_rows, max_rows)
-    n_chunks = -(-n_rows // max_rows)
-    return -(-n_rows // n_chunks)
+    n_chunks = cdiv(n_rows, max_rows)
+    return cdiv(n_rows, n_chunks)
 
 
 def _keep_limit(plan: CallPlan, device: torch.device) -> int:
@@ -284,7 +284,7 @@ class _SplitDWSum:
 
     def __init__(self, vocab: int):
         self.vocab = vocab
-        self.split = -(-vocab // 2)
+        self.split = cdiv(vocab, 2)
         self.blocks: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def add(self, grad_logits: torch.Tensor, x_chunk: torch.Tensor) -> None:
@@ -772,7 +772,7 @@ def _forward(x, weight, bias, target, plan: CallPlan, needs_input_grad) -> tuple
     n_valid = ys.shape[0]
     if not deferred:
         chunk = _plan_rows(plan, n_valid, vocab, per_logit, residual, accumulator, logits_16bit)
-    n_chunks = max(1, -(-n_valid // chunk))
+    n_chunks = max(1, cdiv(n_valid, chunk))
     keep_logits = (
         need_grad and not eager and n_valid > 0 and n_valid * vocab * kept_per_logit <= _keep_limit(plan, x.device)
     )
@@ -796,8 +796,8 @@ def _forward(x, weight, bias, target, plan: CallPlan, needs_input_grad) -> tuple
         rest = max(0, n_kept - first)
         n_rest = 0
         if rest:
-            n_rest = -(-rest // plan_chunk_rows(rest, vocab, per_logit, plan.budget, balanced=False))
-            chunk = -(-rest // n_rest)
+            n_rest = cdiv(rest, plan_chunk_rows(rest, vocab, per_logit, plan.budget, balanced=False))
+            chunk = cdiv(rest, n_rest)
         n_chunks = 1 + n_rest
         return min(n_kept, first)
 
@@ -1001,7 +1001,7 @@ def _recompute_grads(
     chunk = _plan_rows(plan, n_valid, weight.shape[0], per_logit, residual, accumulator, logits_16bit)
     if kept is not None:
         chunk = max(n_valid, 1)
-    n_chunks = max(1, -(-n_valid // chunk))
+    n_chunks = max(1, cdiv(n_valid, chunk))
     over_budget = n_valid * weight.shape[0] * per_logit > plan.budget
     # Past the budget, row chunks sum dW in a [V, H] float32 accumulator, or take every row at once where that costs
     # less than the accumulator. Column chunks stay within the budget, with [rows, H] buffers (a float32 dX, and the
@@ -1070,9 +1070,9 @@ def plan_chunk_columns(n_rows: int, vocab: int, bytes_per_logit: float, budget: 
     ``align`` (a GEMM column tile, so only the last chunk has a ragged tile), at least ``align``."""
     per_column = max(1, int(n_rows * bytes_per_logit))
     most = max(align, budget // per_column // align * align)
-    n_chunks = -(-vocab // most)
-    balanced = -(-vocab // n_chunks)
-    return -(-balanced // align) * align
+    n_chunks = cdiv(vocab, most)
+    balanced = cdiv(vocab, n_chunks)
+    return cdiv(balanced, align) * align
 
 
 def _recompute_by_columns(

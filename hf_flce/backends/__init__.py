@@ -17,8 +17,8 @@ from .base import TileOps
 
 
 def cdiv(a: int, b: int) -> int:
-    """``triton.cdiv`` for host code: Triton's is a ``constexpr_function`` whose wrapper cost 1.4 µs a call on the
-    CPU machine (a call asks for ~17 grid sizes)."""
+    """Ceiling division of non-negative ints: the project's chunk counts, and ``triton.cdiv``'s value for host grids
+    without Triton's ``constexpr_function`` wrapper (1.4 µs a call on the CPU machine, ~17 calls per fused call)."""
     return -(-a // b)
 
 

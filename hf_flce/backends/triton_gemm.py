@@ -80,7 +80,7 @@ def partial_stride(rows: int) -> int:
     """Elements between two tiles' partial statistics of a row (``[stat, tile, row]`` layout): the row count rounded
     up to 16, so that a row block's partials start 64-byte aligned for every count (vectorized loads and stores)
     while the kernels take the count itself unspecialized (``triton_launch``)."""
-    return -(-rows // 16) * 16
+    return cdiv(rows, 16) * 16
 
 
 def _configs():
