@@ -56,6 +56,36 @@ CONFIGS = {
     # a cap of 2 bends these tiny models' logits (std ~0.6) well away from the identity
     "Gemma2ForCausalLM": ("Gemma2Config", dict(head_dim=8, final_logit_softcapping=2.0)),
     "Gemma3ForCausalLM": ("Gemma3TextConfig", dict(head_dim=8, final_logit_softcapping=2.0)),
+    "MinistralForCausalLM": ("MinistralConfig", dict(head_dim=8)),
+    "Qwen3NextForCausalLM": (
+        "Qwen3NextConfig",
+        dict(
+            **QWEN_MOE,
+            shared_expert_intermediate_size=32,
+            head_dim=8,
+            linear_num_key_heads=2,
+            linear_num_value_heads=2,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            layer_types=["linear_attention", "full_attention"],
+        ),
+    ),
+    "Phi3ForCausalLM": ("Phi3Config", {}),
+    "PhiForCausalLM": ("PhiConfig", {}),  # lm_head has a bias
+    # no router jitter: its random draws would differ between the two models
+    "PhimoeForCausalLM": ("PhimoeConfig", dict(**MOE, num_local_experts=4, lm_head_bias=True, router_jitter_noise=0.0)),
+    "OlmoForCausalLM": ("OlmoConfig", {}),
+    "Olmo2ForCausalLM": ("Olmo2Config", {}),
+    "Olmo3ForCausalLM": ("Olmo3Config", {}),
+    "OlmoeForCausalLM": ("OlmoeConfig", dict(**MOE, num_experts=4)),
+    "GptOssForCausalLM": ("GptOssConfig", dict(**MOE, num_local_experts=4, head_dim=8)),
+    "SmolLM3ForCausalLM": ("SmolLM3Config", {}),
+    "GlmForCausalLM": ("GlmConfig", dict(head_dim=8)),
+    "Glm4ForCausalLM": ("Glm4Config", dict(head_dim=8)),
+    # logits divided by 4 / multiplied by 1/4 before the loss, as stock does
+    "GraniteForCausalLM": ("GraniteConfig", dict(logits_scaling=4.0)),
+    "CohereForCausalLM": ("CohereConfig", dict(logit_scale=0.25)),
+    "Cohere2ForCausalLM": ("Cohere2Config", dict(logit_scale=0.25)),
 }
 CLASSES = list(CONFIGS)
 MOE_CLASSES = [name for name in CLASSES if "output_router_logits" in CONFIGS[name][1]]

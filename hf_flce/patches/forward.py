@@ -79,6 +79,30 @@ class PatchState:
     output_class: type | None = None
 
 
+def logit_transform(text_config) -> tuple[float, float | None]:
+    """``(scale, softcap)`` of the config's logit transform ``softcap * tanh(scale * z / softcap)``, read from the
+    same attributes TRL's fused head reads (``logit_scale``, ``output_multiplier``, ``lm_head_multiplier``,
+    ``logits_scaling``, ``final_logit_softcapping``)."""
+    scale = getattr(text_config, "logit_scale", None)
+    for name in ("output_multiplier", "lm_head_multiplier"):
+        if scale is None:
+            scale = getattr(text_config, name, None)
+    scaling = getattr(text_config, "logits_scaling", None)
+    if scale is None and scaling is not None:
+        # Granite and MiniCPM3 divide by `logits_scaling`; HyperCLOVA X multiplies by it.
+        scale = scaling if text_config.model_type == "hyperclovax" else 1 / scaling
+    return (1.0 if scale is None else float(scale)), getattr(text_config, "final_logit_softcapping", None)
+
+
+def op_transform(text_config, temperature: float) -> tuple[float, float | None]:
+    """The op's ``(temperature, softcap)`` equal to scaling by ``scale``, capping, then dividing by ``temperature``:
+    ``c tanh(s z / c) / T = c' tanh(z / c') / T'`` with ``c' = c / s`` and ``T' = T / s`` for ``s > 0``."""
+    scale, softcap = logit_transform(text_config)
+    if scale <= 0:
+        raise NotImplementedError(f"hf_flce's fused head needs a positive logit scale, the config gives {scale}")
+    return temperature / scale, (None if softcap is None else softcap / scale)
+
+
 def _warn_once(key: str, message: str) -> None:
     if key not in _warned:
         _warned.add(key)
@@ -138,12 +162,15 @@ def _fused_loss(
             f"labels give {target.numel()} targets for {hidden.shape[0]} positions (after logits_to_keep); "
             "they must match as in the stock loss"
         )
+    # the logit scale (Granite, Command R) and softcap (Gemma 2) the stock forward applies
+    temperature, softcap = op_transform(model.config.get_text_config(), 1.0)
     op_options = dict(
         ignore_index=ignore_index,
         num_items_in_batch=kwargs.get("num_items_in_batch"),
         label_smoothing=options.label_smoothing,
         z_loss=options.z_loss,
-        softcap=getattr(model.config, "final_logit_softcapping", None),
+        temperature=temperature,
+        softcap=softcap,
         backend=options.backend,
         memory_budget=in_model_budget(options.memory_budget, hidden.device),
     )

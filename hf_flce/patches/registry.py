@@ -42,6 +42,7 @@ FAMILIES: dict[str, tuple[Target, ...]] = {
         Target("qwen3", "Qwen3ForCausalLM"),
         Target("qwen2_moe", "Qwen2MoeForCausalLM", moe=True),
         Target("qwen3_moe", "Qwen3MoeForCausalLM", moe=True),
+        Target("qwen3_next", "Qwen3NextForCausalLM", moe=True),
         Target("qwen2_vl", "Qwen2VLForConditionalGeneration", vision_language=True),
         Target("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", vision_language=True),
         Target("qwen3_vl", "Qwen3VLForConditionalGeneration", vision_language=True),
@@ -49,6 +50,7 @@ FAMILIES: dict[str, tuple[Target, ...]] = {
     "mistral": (
         Target("mistral", "MistralForCausalLM"),
         Target("mixtral", "MixtralForCausalLM", moe=True),
+        Target("ministral", "MinistralForCausalLM"),
         Target("mistral3", "Mistral3ForConditionalGeneration", vision_language=True),
     ),
     # Gemma 2 caps its logits (``config.final_logit_softcapping``; Gemma 3's config has the field, unset), which the
@@ -59,6 +61,25 @@ FAMILIES: dict[str, tuple[Target, ...]] = {
         Target("gemma3_text", "Gemma3ForCausalLM", package="gemma3"),
         Target("gemma3", "Gemma3ForConditionalGeneration", vision_language=True),
     ),
+    # Phi-3, Phi-3.5 and Phi-4 (``phi3``); Phi-1, 1.5 and 2, whose lm_head has a bias; Phi-3.5-MoE
+    "phi": (
+        Target("phi3", "Phi3ForCausalLM"),
+        Target("phi", "PhiForCausalLM"),
+        Target("phimoe", "PhimoeForCausalLM", moe=True),
+    ),
+    "olmo": (
+        Target("olmo", "OlmoForCausalLM"),
+        Target("olmo2", "Olmo2ForCausalLM"),
+        Target("olmo3", "Olmo3ForCausalLM"),
+        Target("olmoe", "OlmoeForCausalLM", moe=True),
+    ),
+    "gpt_oss": (Target("gpt_oss", "GptOssForCausalLM", moe=True),),
+    "smollm": (Target("smollm3", "SmolLM3ForCausalLM"),),
+    "glm": (Target("glm", "GlmForCausalLM"), Target("glm4", "Glm4ForCausalLM")),
+    # These scale their logits: Granite divides them by ``config.logits_scaling``, Command R (Cohere) multiplies them
+    # by ``config.logit_scale``; the fused forward passes the same scale to the op (``forward.op_transform``).
+    "granite": (Target("granite", "GraniteForCausalLM"),),
+    "cohere": (Target("cohere", "CohereForCausalLM"), Target("cohere2", "Cohere2ForCausalLM")),
 }
 ALL_TARGETS: tuple[Target, ...] = tuple(t for targets in FAMILIES.values() for t in targets)
 FAMILY_OF_MODEL_TYPE: dict[str, str] = {t.model_type: family for family, ts in FAMILIES.items() for t in ts}

@@ -22,6 +22,7 @@ from trl.trainer.utils import FusedCausalLMOutput
 
 from ..distributed import head_linear_cross_entropy, linear_of
 from ..options import in_model_budget
+from ..patches.forward import op_transform
 from ..patches.late_head_grad import LateHeadGrad
 
 IGNORE_INDEX = -100
@@ -40,30 +41,6 @@ class FLCECausalLMOutput(FusedCausalLMOutput):
     """
 
     token_loss: torch.Tensor | None = None
-
-
-def logit_transform(text_config) -> tuple[float, float | None]:
-    """``(scale, softcap)`` of the config's logit transform ``softcap * tanh(scale * z / softcap)``, read from the
-    same attributes TRL's fused head reads (``logit_scale``, ``output_multiplier``, ``lm_head_multiplier``,
-    ``logits_scaling``, ``final_logit_softcapping``)."""
-    scale = getattr(text_config, "logit_scale", None)
-    for name in ("output_multiplier", "lm_head_multiplier"):
-        if scale is None:
-            scale = getattr(text_config, name, None)
-    scaling = getattr(text_config, "logits_scaling", None)
-    if scale is None and scaling is not None:
-        # Granite and MiniCPM3 divide by `logits_scaling`; HyperCLOVA X multiplies by it.
-        scale = scaling if text_config.model_type == "hyperclovax" else 1 / scaling
-    return (1.0 if scale is None else float(scale)), getattr(text_config, "final_logit_softcapping", None)
-
-
-def op_transform(text_config, temperature: float) -> tuple[float, float | None]:
-    """The op's ``(temperature, softcap)`` equal to scaling by ``scale``, capping, then dividing by ``temperature``:
-    ``c tanh(s z / c) / T = c' tanh(z / c') / T'`` with ``c' = c / s`` and ``T' = T / s`` for ``s > 0``."""
-    scale, softcap = logit_transform(text_config)
-    if scale <= 0:
-        raise NotImplementedError(f"hf_flce's fused head needs a positive logit scale, the config gives {scale}")
-    return temperature / scale, (None if softcap is None else softcap / scale)
 
 
 def _moe_aux_loss(model, text_config, backbone_outputs, attention_mask):
