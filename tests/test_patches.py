@@ -27,6 +27,7 @@ from hf_flce import (
     revert_flce,
 )
 from hf_flce.patches import forward as patch_forward
+from hf_flce.patches import registry
 from hf_flce.patches.late_head_grad import LateHeadGrad
 from hf_flce.reference import reference_linear_cross_entropy
 
@@ -44,6 +45,33 @@ BASE = dict(
 )
 MOE = dict(num_experts_per_tok=2, router_aux_loss_coef=0.1, output_router_logits=True)
 QWEN_MOE = dict(**MOE, num_experts=4, moe_intermediate_size=32, decoder_sparse_step=1)
+# one gated-delta-net layer and one attention layer (Qwen3-Next, Qwen3.5)
+LINEAR_ATTENTION = dict(
+    linear_num_key_heads=2,
+    linear_num_value_heads=2,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    layer_types=["linear_attention", "full_attention"],
+)
+# DeepSeek's routing (expert groups, shared experts, a dense first layer) and multi-head latent attention
+GROUPED_ROUTING = dict(
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    moe_intermediate_size=32,
+    n_group=1,
+    topk_group=1,
+    first_k_dense_replace=1,
+)
+LATENT_MOE = dict(
+    **GROUPED_ROUTING,
+    num_key_value_heads=4,
+    kv_lora_rank=16,
+    q_lora_rank=16,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=8,
+    v_head_dim=8,
+)
 CONFIGS = {
     "LlamaForCausalLM": ("LlamaConfig", {}),
     "Qwen2ForCausalLM": ("Qwen2Config", {}),
@@ -59,17 +87,20 @@ CONFIGS = {
     "MinistralForCausalLM": ("MinistralConfig", dict(head_dim=8)),
     "Qwen3NextForCausalLM": (
         "Qwen3NextConfig",
-        dict(
-            **QWEN_MOE,
-            shared_expert_intermediate_size=32,
-            head_dim=8,
-            linear_num_key_heads=2,
-            linear_num_value_heads=2,
-            linear_key_head_dim=8,
-            linear_value_head_dim=8,
-            layer_types=["linear_attention", "full_attention"],
-        ),
+        dict(**QWEN_MOE, shared_expert_intermediate_size=32, head_dim=8, **LINEAR_ATTENTION),
     ),
+    "Qwen3_5ForCausalLM": ("Qwen3_5TextConfig", dict(head_dim=8, **LINEAR_ATTENTION)),
+    "Qwen3_5MoeForCausalLM": (
+        "Qwen3_5MoeTextConfig",
+        dict(**QWEN_MOE, shared_expert_intermediate_size=32, head_dim=8, **LINEAR_ATTENTION),
+    ),
+    "Ministral3ForCausalLM": ("Ministral3Config", dict(head_dim=8)),
+    # MoE without an aux loss: the dense forward, stock's output class
+    "Mistral4ForCausalLM": ("Mistral4Config", LATENT_MOE),
+    "DeepseekV2ForCausalLM": ("DeepseekV2Config", LATENT_MOE),
+    "DeepseekV3ForCausalLM": ("DeepseekV3Config", LATENT_MOE),
+    "Glm4MoeLiteForCausalLM": ("Glm4MoeLiteConfig", LATENT_MOE),
+    "Glm4MoeForCausalLM": ("Glm4MoeConfig", dict(**GROUPED_ROUTING, head_dim=8)),
     "Phi3ForCausalLM": ("Phi3Config", {}),
     "PhiForCausalLM": ("PhiConfig", {}),  # lm_head has a bias
     # no router jitter: its random draws would differ between the two models
@@ -207,6 +238,31 @@ def test_moe_router_logits_from_forward_kwarg(name):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     # The aux term is added undivided: removing it leaves the CE sum over num_items_in_batch.
     assert out.aux_loss > 0 and not torch.allclose(out.loss, out.loss - 0.1 * out.aux_loss)
+
+
+@pytest.mark.parametrize("name", ["DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "Mistral4ForCausalLM"])
+def test_moe_without_aux_loss_returns_the_stock_output(name):
+    """These balance their experts without an aux loss: the dense forward, with stock's output class and its fields
+    (transformers 5.23 returns ``MoeCausalLMOutputWithPast`` with the body's router logits, 5.17 the dense output)."""
+    patched, stock = patched_pair(name)
+    ids, labels = make_batch()
+    out, ref = assert_same_training(patched, stock, input_ids=ids, labels=labels)
+    assert type(out) is type(ref) and set(out.keys()) == set(ref.keys()) - {"logits"}
+    for got, want in zip(getattr(out, "router_logits", None) or (), getattr(ref, "router_logits", None) or ()):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_class_patch_skips_classes_missing_from_transformers(monkeypatch):
+    """A class patch of a family covers what the installed transformers has: an older 5.x lacks the newest models."""
+    absent = registry.Target("no_such_model", "NoSuchModelForCausalLM")
+    monkeypatch.setitem(registry.FAMILIES, "llama", (*registry.FAMILIES["llama"], absent))
+    ids, labels = make_batch()
+    apply_flce_to_llama()
+    try:
+        assert make_model("LlamaForCausalLM")(input_ids=ids, labels=labels).logits is None
+    finally:
+        revert_flce()
+    assert make_model("LlamaForCausalLM")(input_ids=ids, labels=labels).logits is not None
 
 
 @pytest.mark.parametrize("name", CLASSES)
@@ -701,7 +757,8 @@ def test_bf16_autocast(defer):
         assert torch.linalg.norm(g - ref_grads[name]) <= 5e-2 * torch.linalg.norm(ref_grads[name]), name
 
 
-DENSE_CLASSES = [name for name in CLASSES if name not in MOE_CLASSES]  # the MoE experts' grouped_mm has no float64
+# without experts, whose grouped_mm has no float64 (the MoE models with an aux loss, and those routing like DeepSeek)
+DENSE_CLASSES = [name for name in CLASSES if name not in MOE_CLASSES and "n_routed_experts" not in CONFIGS[name][1]]
 
 
 def autocast_gradient_errors(stock: torch.nn.Module, device: str, **inputs) -> dict[str, dict[str, float]]:

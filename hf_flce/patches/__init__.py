@@ -32,6 +32,7 @@ from .registry import (
     Target,
     aux_loss_function,
     find_target,
+    installed_classes,
     load_class,
     loaded_classes,
     output_class,
@@ -136,11 +137,11 @@ def apply_flce_to_llama(model: M | None = None, **options: Unpack[PatchKwargs]) 
 
 
 def apply_flce_to_qwen(model: M | None = None, **options: Unpack[PatchKwargs]) -> M | None:
-    """Patch ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``Qwen2MoeForCausalLM``, ``Qwen3MoeForCausalLM`` and the
-    vision-language ``Qwen2VLForConditionalGeneration``, ``Qwen2_5_VLForConditionalGeneration`` and
-    ``Qwen3VLForConditionalGeneration``.
+    """Patch ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``Qwen2MoeForCausalLM``, ``Qwen3MoeForCausalLM``,
+    ``Qwen3NextForCausalLM``, ``Qwen3_5ForCausalLM``, ``Qwen3_5MoeForCausalLM`` and the vision-language
+    ``Qwen2VLForConditionalGeneration``, ``Qwen2_5_VLForConditionalGeneration`` and ``Qwen3VLForConditionalGeneration``.
 
-    Patches this instance, or with no model the seven classes. Options: :func:`apply_flce`.
+    Patches this instance, or with no model those classes. Options: :func:`apply_flce`.
 
     Example:
         >>> from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -158,7 +159,8 @@ def apply_flce_to_qwen(model: M | None = None, **options: Unpack[PatchKwargs]) -
 
 
 def apply_flce_to_mistral(model: M | None = None, **options: Unpack[PatchKwargs]) -> M | None:
-    """Patch ``MistralForCausalLM``, ``MixtralForCausalLM`` and the vision-language ``Mistral3ForConditionalGeneration``
+    """Patch ``MistralForCausalLM``, ``MixtralForCausalLM``, ``MinistralForCausalLM``, ``Ministral3ForCausalLM``,
+    ``Mistral4ForCausalLM`` and the vision-language ``Mistral3ForConditionalGeneration``
     (this instance, or the classes). Options: :func:`apply_flce`.
 
     Example:
@@ -237,7 +239,7 @@ def _apply(families: tuple[str, ...], model: M | None, options: PatchKwargs, cal
     opts = PatchOptions(**options)
     targets = tuple(t for family in families for t in FAMILIES[family])
     if model is None:
-        classes = {load_class(t): t for t in targets}
+        classes = installed_classes(targets)
         _warn_unreachable_instances(tuple(classes), caller)
         for cls, target in classes.items():
             cls.forward = _fused_forward(target)

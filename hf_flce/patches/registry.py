@@ -24,6 +24,9 @@ class Target:
     moe: bool = False
     package: str = ""  # the ``transformers.models`` folder, where it is not named after ``model_type``
     vision_language: bool = False  # a ``*ForConditionalGeneration`` whose loss is its text model's
+    # a dense forward that returns its stock output class, with the body's extra fields: MoE models that balance their
+    # experts without an aux loss (DeepSeek-V3's ``MoeCausalLMOutputWithPast`` carries the router logits)
+    stock_output: bool = False
 
     @property
     def module(self) -> str:
@@ -43,6 +46,8 @@ FAMILIES: dict[str, tuple[Target, ...]] = {
         Target("qwen2_moe", "Qwen2MoeForCausalLM", moe=True),
         Target("qwen3_moe", "Qwen3MoeForCausalLM", moe=True),
         Target("qwen3_next", "Qwen3NextForCausalLM", moe=True),
+        Target("qwen3_5_text", "Qwen3_5ForCausalLM", package="qwen3_5"),
+        Target("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", moe=True, package="qwen3_5_moe"),
         Target("qwen2_vl", "Qwen2VLForConditionalGeneration", vision_language=True),
         Target("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", vision_language=True),
         Target("qwen3_vl", "Qwen3VLForConditionalGeneration", vision_language=True),
@@ -51,6 +56,8 @@ FAMILIES: dict[str, tuple[Target, ...]] = {
         Target("mistral", "MistralForCausalLM"),
         Target("mixtral", "MixtralForCausalLM", moe=True),
         Target("ministral", "MinistralForCausalLM"),
+        Target("ministral3", "Ministral3ForCausalLM"),
+        Target("mistral4", "Mistral4ForCausalLM", stock_output=True),
         Target("mistral3", "Mistral3ForConditionalGeneration", vision_language=True),
     ),
     # Gemma 2 caps its logits (``config.final_logit_softcapping``; Gemma 3's config has the field, unset), which the
@@ -75,7 +82,16 @@ FAMILIES: dict[str, tuple[Target, ...]] = {
     ),
     "gpt_oss": (Target("gpt_oss", "GptOssForCausalLM", moe=True),),
     "smollm": (Target("smollm3", "SmolLM3ForCausalLM"),),
-    "glm": (Target("glm", "GlmForCausalLM"), Target("glm4", "Glm4ForCausalLM")),
+    "glm": (
+        Target("glm", "GlmForCausalLM"),
+        Target("glm4", "Glm4ForCausalLM"),
+        Target("glm4_moe", "Glm4MoeForCausalLM", stock_output=True),
+        Target("glm4_moe_lite", "Glm4MoeLiteForCausalLM", stock_output=True),
+    ),
+    "deepseek": (
+        Target("deepseek_v2", "DeepseekV2ForCausalLM", stock_output=True),
+        Target("deepseek_v3", "DeepseekV3ForCausalLM", stock_output=True),
+    ),
     # These scale their logits: Granite divides them by ``config.logits_scaling``, Command R (Cohere) multiplies them
     # by ``config.logit_scale``; the fused forward passes the same scale to the op (``forward.op_transform``).
     "granite": (Target("granite", "GraniteForCausalLM"),),
@@ -93,6 +109,17 @@ def load_class(target: Target) -> type:
     cls = getattr(importlib.import_module(target.module), target.class_name)
     _STOCK_FORWARDS.setdefault(cls, cls.__dict__["forward"])
     return cls
+
+
+def installed_classes(targets: tuple[Target, ...]) -> dict[type, Target]:
+    """The classes of ``targets`` that the installed transformers has (an older 5.x lacks the newest families)."""
+    classes = {}
+    for target in targets:
+        try:
+            classes[load_class(target)] = target
+        except (ImportError, AttributeError):
+            continue
+    return classes
 
 
 def loaded_classes() -> dict[type, Target]:
@@ -117,9 +144,9 @@ def stock_forward(cls: type) -> Callable:
 
 
 def output_class(target: Target) -> type | None:
-    """For a vision-language target, the output class its stock forward returns (read off its return annotation,
-    ``tuple | <output class>``, which differs between classes and transformers versions)."""
-    if not target.vision_language:
+    """For a vision-language or ``stock_output`` target, the output class its stock forward returns (read off its return
+    annotation, ``tuple | <output class>``, which differs between classes and transformers versions)."""
+    if not (target.vision_language or target.stock_output):
         return None
     stock = stock_forward(load_class(target))
     annotation = typing.get_type_hints(stock).get("return")
