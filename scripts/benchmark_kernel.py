@@ -699,11 +699,25 @@ def _yardstick(rec: dict[str, Any] | None, key: str, standalone: dict[str, float
     return rec.get(key) or standalone.get(rec["shape"])
 
 
+def _paired(rec: dict[str, Any] | None, name: str, yardstick: str, standalone: dict[str, float | None]) -> float | None:
+    """``name``'s time ÷ its yardstick's (``fwdbwd`` ÷ ``paired_floor``, ``fwd`` ÷ ``paired_gemm``, their ``_isolated``
+    forms): the median over rounds of each round's ratio, the two having run back to back in that round. A GPU at its
+    power limit moves its clocks from one round to the next (an H100's floor read 20.8-25.1 ms within one row), and
+    the ratio of the two medians would take them from different rounds. Rows without per-round times (older runs, or
+    a yardstick timed on its own) take the ratio of the medians."""
+    if rec is None or rec.get("status") != "ok":
+        return None
+    times, yard = rec.get(f"{name}_times"), rec.get(f"{yardstick}_times")
+    if times and yard and len(times) == len(yard):
+        return median([t / y for t, y in zip(times, yard, strict=True)])
+    return ratio(rec.get(f"{name}_ms"), _yardstick(rec, f"{yardstick}_ms", standalone))
+
+
 def _cell(rec: dict[str, Any], floors: dict[str, float | None]) -> str:
     if rec.get("status") != "ok":
         return str(rec.get("status"))
     gb = f" · {fmt_gb(rec['extra_bytes'])} GB" if rec.get("extra_bytes") is not None else ""
-    return f"{fmt_ratio(ratio(rec.get('fwdbwd_ms'), _yardstick(rec, 'paired_floor_ms', floors)))}{gb}"
+    return f"{fmt_ratio(_paired(rec, 'fwdbwd', 'paired_floor', floors))}{gb}"
 
 
 def render_tables(data: dict[str, Any]) -> str:
@@ -720,9 +734,10 @@ def render_tables(data: dict[str, Any]) -> str:
         keys = list(dict.fromkeys((r["shape"], r["dist"]) for r in data["main"]))
         parts += ["", "## fwd+bwd ÷ 3-GEMM floor · extra memory (grads included)", ""]
         parts.append(
-            "Each provider's calls are timed in turns with the floor's three cuBLAS GEMMs run back to back, and "
-            "divided by the median of those (a GPU at its power limit changes its clocks within a fraction of a "
-            "second). `floor ms` and `1 GEMM ms`: the shape's GEMMs timed on their own, for scale. "
+            "Each provider's calls are timed in turns with the floor's three cuBLAS GEMMs run back to back: each "
+            "call is divided by the floor run just before it, and the table gives the median of those ratios (a GPU "
+            "at its power limit changes its clocks within a fraction of a second). `floor ms` and `1 GEMM ms`: the "
+            "shape's GEMMs timed on their own, for scale. "
             + (
                 "Times are of calls queued behind that yardstick, as inside a model (host time before a host read "
                 "hidden); the Details give each call isolated on an idle GPU too."
@@ -749,12 +764,12 @@ def render_tables(data: dict[str, Any]) -> str:
                     r["dist"],
                     r["provider"],
                     fmt_ms(ms),
-                    fmt_ratio(ratio(ms, _yardstick(r, "paired_floor_ms", floors))),
-                    fmt_ratio(ratio(_ok(r, "fwdbwd_isolated_ms"), r.get("paired_floor_isolated_ms"))),
+                    fmt_ratio(_paired(r, "fwdbwd", "paired_floor", floors)),
+                    fmt_ratio(_paired(r, "fwdbwd_isolated", "paired_floor_isolated", {})),
                     fmt_ratio(ratio(_ok(ours, "fwdbwd_ms"), ms)),
                     fmt_ms(_ok(r, "fwd_ms")),
-                    fmt_ratio(ratio(_ok(r, "fwd_ms"), _yardstick(r, "paired_gemm_ms", gemms))),
-                    fmt_ratio(ratio(_ok(r, "fwd_isolated_ms"), r.get("paired_gemm_isolated_ms"))),
+                    fmt_ratio(_paired(r, "fwd", "paired_gemm", gemms)),
+                    fmt_ratio(_paired(r, "fwd_isolated", "paired_gemm_isolated", {})),
                     fmt_gb(_ok(r, "extra_bytes")),
                     fmt_gb(_minus(_ok(r, "extra_bytes"), _ok(r, "grad_bytes"))),
                     fmt_err(_ok(r, "dx_err")),
@@ -780,8 +795,8 @@ def render_tables(data: dict[str, Any]) -> str:
                     r["shape"],
                     r["provider"],
                     fmt_ms(ms),
-                    fmt_ratio(ratio(ms, _yardstick(r, "paired_floor_ms", floors))),
-                    fmt_ratio(ratio(_ok(r, "fwdbwd_isolated_ms"), r.get("paired_floor_isolated_ms"))),
+                    fmt_ratio(_paired(r, "fwdbwd", "paired_floor", floors)),
+                    fmt_ratio(_paired(r, "fwdbwd_isolated", "paired_floor_isolated", {})),
                     fmt_ratio(ratio(ours, ms)),
                 ]
                 + [fmt_gb(_ok(r, "extra_bytes")), fmt_err(_ok(r, "dx_err")), fmt_err(_ok(r, "dw_err")), r["status"]]
@@ -852,7 +867,7 @@ def render_plots(data: dict[str, Any], path: Path) -> None:
         bar_groups(
             next(axes_iter),
             groups,
-            series(lambda r, s: ratio(_ok(r, "fwdbwd_ms"), _yardstick(r, "paired_floor_ms", floors))),
+            series(lambda r, s: _paired(r, "fwdbwd", "paired_floor", floors)),
             "fwd+bwd ÷ 3-GEMM floor",
             "Time ratio to the floor (dashed: 1.0 and 1.33 = recompute)",
             hlines=(1.0, 4 / 3),

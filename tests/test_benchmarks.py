@@ -95,6 +95,22 @@ def test_kernel_benchmark_cpu(tmp_path: Path, capsys) -> None:
     assert (redo / "kernel.md").read_text() == (tmp_path / "kernel.md").read_text()
 
 
+def test_ratio_to_the_floor_pairs_each_round() -> None:
+    """A call's ratio to the floor is the median of each round's ratio (call ÷ the floor run just before it), so clocks
+    that move between rounds cancel; without per-round times it is the ratio of the medians."""
+    kernel = _load("benchmark_kernel")
+    # qwen3-0.6b peaked on an H100 (session 37): rounds 3-5 ran at lower clocks, but not all by the same amount
+    calls = [23.2, 23.0, 27.4, 25.7, 25.4]
+    floors = [20.9, 20.8, 25.1, 24.0, 20.9]
+    rec = {"status": "ok", "fwdbwd_times": calls, "paired_floor_times": floors, "fwdbwd_ms": 25.4}
+    rec["paired_floor_ms"] = 20.9
+    assert kernel._paired(rec, "fwdbwd", "paired_floor", {}) == pytest.approx(23.0 / 20.8)  # 1.106, the middle round
+    assert 25.4 / 20.9 > 1.2  # the ratio of the medians pairs round 5's call with round 1's floor
+    older = {"status": "ok", "shape": "s", "fwd_ms": 3.0}  # a run without paired times: the shape's own GEMM
+    assert kernel._paired(older, "fwd", "paired_gemm", {"s": 2.0}) == pytest.approx(1.5)
+    assert kernel._paired({"status": "OOM"}, "fwd", "paired_gemm", {}) is None
+
+
 def test_kernel_benchmark_one_section_without_plots(tmp_path: Path) -> None:
     # the pertoken section alone has no plot panel: the run still writes its tables (it used to raise in matplotlib)
     kernel = _load("benchmark_kernel")
