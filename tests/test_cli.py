@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -13,7 +14,8 @@ import trl.scripts.dpo
 import trl.scripts.sft
 
 from hf_flce import cli
-from hf_flce.data import build_tiny_model, build_tokenizer, data_file
+from hf_flce.data import build_tiny_model, build_tokenizer, data_file, toy_training_defaults
+from hf_flce.data.toy import parse_example_args
 from hf_flce.trainers import FLCEDPOTrainer, FLCESFTTrainer
 
 TINY_RUN = ["--max_steps", "2", "--bf16", "false", "--report_to", "none", "--save_strategy", "no", "--use_cpu"]
@@ -53,6 +55,20 @@ def test_parser_is_trls_plus_the_flce_options(command, trl_script):
     flce = [["--flce_backend", "--flce-backend"], ["--flce_memory_budget", "--flce-memory-budget"]]
     flce.append(["--flce_defer_head_grad", "--flce-defer-head-grad"])
     assert sorted(a.option_strings for a in ours._actions) == sorted([a.option_strings for a in theirs._actions] + flce)
+
+
+@pytest.mark.parametrize("command", ["sft", "dpo"])
+def test_toy_defaults_name_fields_of_the_installed_config(command):
+    """Each of the examples' defaults is a field of the installed TRL config: one the parser lacks (transformers
+    renamed ``gradient_checkpointing`` to ``activation_checkpointing``) would come back as an extra namespace."""
+    config_cls = trl.SFTConfig if command == "sft" else trl.DPOConfig
+    fields = {f.name for f in dataclasses.fields(config_cls)}
+    defaults = toy_training_defaults(command)
+    assert set(defaults) <= fields
+    assert defaults.get("activation_checkpointing", defaults.get("gradient_checkpointing")) is False
+    args = parse_example_args(command, ["--output_dir", "x"])
+    assert args.embedded_model and args.embedded_data
+    assert args.training.gradient_checkpointing is False and args.training.max_length == 256
 
 
 def test_flce_options_reach_our_trainer(workdir, tmp_path):

@@ -337,7 +337,7 @@ def test_head_takes_the_in_model_budget(tokenizer, monkeypatch):
 @pytest.mark.parametrize("user_budget", [None, 777 << 10], ids=["default", "flce_memory_budget"])
 @pytest.mark.parametrize("trainer_cls", ["sft", "dpo"])
 def test_trainers_heads_take_the_in_model_budget(tokenizer, tmp_path, monkeypatch, user_budget, trainer_cls):
-    from hf_flce.options import DEFAULT_BUDGET_CPU
+    from hf_flce.options import DEFAULT_BUDGET_ACCELERATOR, DEFAULT_BUDGET_CPU
 
     budgets = _recorded_budgets(monkeypatch)
     if trainer_cls == "dpo":
@@ -359,7 +359,8 @@ def test_trainers_heads_take_the_in_model_budget(tokenizer, tmp_path, monkeypatc
         )
     trainer.model.train()
     trainer.compute_loss(trainer.model, next(iter(trainer.get_train_dataloader()))).backward()
-    expected = user_budget if user_budget is not None else DEFAULT_BUDGET_CPU // 2
+    default = DEFAULT_BUDGET_CPU if trainer.model.device.type == "cpu" else DEFAULT_BUDGET_ACCELERATOR
+    expected = user_budget if user_budget is not None else default // 2
     assert budgets == [expected] * (2 if trainer_cls == "dpo" else 1)  # DPO: the policy's call and the reference's
 
 

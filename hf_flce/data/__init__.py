@@ -151,8 +151,16 @@ def build_tiny_model(
 def toy_training_defaults(command: str) -> dict:
     """Training-argument defaults that make the tiny model learn the bundled data in about a minute on a CPU
     (``command`` is ``"sft"`` or ``"dpo"``). Arguments given explicitly still win."""
-    import torch
+    import dataclasses
 
+    import torch
+    from transformers import TrainingArguments
+
+    # Recent transformers releases name TRL's gradient_checkpointing (on by default) activation_checkpointing, the old
+    # name an alias; earlier 5.x releases (5.17) know only the old name, and a default for a field the parser lacks
+    # would come back from it as an extra namespace.
+    fields = {f.name for f in dataclasses.fields(TrainingArguments)}
+    checkpointing = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
     defaults = dict(
         output_dir=f"outputs/{command}-tiny",
         max_steps=60 if command == "sft" else 30,
@@ -168,7 +176,7 @@ def toy_training_defaults(command: str) -> dict:
         report_to="none",
         seed=0,
         bf16=torch.cuda.is_available() and torch.cuda.is_bf16_supported(),
-        activation_checkpointing=False,  # small activations; recomputing them only costs time
         max_length=256,
     )
+    defaults[checkpointing] = False  # small activations; recomputing them only costs time
     return defaults

@@ -90,13 +90,20 @@ def peak_memory_bytes() -> int:
 
 
 class MetricsRecorder(TrainerCallback):
-    """Records every log, the training tokens per second (``num_tokens`` over the time in training steps) and the
-    peak memory; writes them as JSON at the end when ``path`` is set."""
+    """Records every log (with the time spent in training steps so far), the training tokens per second and the peak
+    memory; writes them as JSON at the end when ``path`` is set.
+
+    ``tokens_per_second`` is the steady rate: ``num_tokens`` gained between the first and the last log, over the time
+    spent in the training steps between them. It leaves out the first logging interval, whose first step includes
+    one-time work (Triton compiles each kernel there, on a GPU). ``tokens_per_second_all`` counts every step, and
+    ``first_step_seconds`` is that first step alone."""
 
     def __init__(self, path: str | None = None, label: str = "") -> None:
         self.path, self.label = path, label
         self.logs: list[dict] = []
         self.train_seconds = 0.0
+        self.first_step_seconds: float | None = None
+        self._marks: list[tuple[float, float]] = []  # (train_seconds, num_tokens) at each log that has num_tokens
         self._step_start = None
 
     def on_step_begin(self, args, state, control, **kwargs):
@@ -105,18 +112,30 @@ class MetricsRecorder(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        self.train_seconds += time.perf_counter() - self._step_start
+        seconds = time.perf_counter() - self._step_start
+        if self.first_step_seconds is None:
+            self.first_step_seconds = seconds
+        self.train_seconds += seconds
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        self.logs.append({"step": state.global_step, **(logs or {})})
+        self.logs.append({"step": state.global_step, **(logs or {}), "train_seconds": self.train_seconds})
+        if logs and "num_tokens" in logs:
+            self._marks.append((self.train_seconds, float(logs["num_tokens"])))
 
     def summary(self) -> dict:
         tokens = max((log.get("num_tokens", 0) for log in self.logs), default=0)
+        overall = tokens / self.train_seconds if self.train_seconds else 0.0
+        steady = overall
+        if len(self._marks) >= 2:
+            (t0, n0), (t1, n1) = self._marks[0], self._marks[-1]
+            steady = (n1 - n0) / (t1 - t0) if t1 > t0 else overall
         return {
             "label": self.label,
             "logs": self.logs,
             "train_seconds": self.train_seconds,
-            "tokens_per_second": tokens / self.train_seconds if self.train_seconds else 0.0,
+            "tokens_per_second": steady,
+            "tokens_per_second_all": overall,
+            "first_step_seconds": self.first_step_seconds,
             "peak_memory_bytes": peak_memory_bytes(),
             "device": "cuda" if torch.cuda.is_available() else "cpu",
         }
