@@ -71,6 +71,33 @@ def test_toy_defaults_name_fields_of_the_installed_config(command):
     assert args.training.gradient_checkpointing is False and args.training.max_length == 256
 
 
+def test_metrics_recorder_reports_the_median_interval_rate(monkeypatch):
+    """tokens/s is the median of the logging intervals' rates after the first, so that the first step's compiles and a
+    one-off slow step do not decide it; every step still counts in ``tokens_per_second_all``."""
+    from types import SimpleNamespace
+
+    from hf_flce.data import toy
+
+    clock = [0.0]
+    monkeypatch.setattr(toy.time, "perf_counter", lambda: clock[0])
+    recorder = toy.MetricsRecorder()
+    state = SimpleNamespace(global_step=0, is_world_process_zero=True)
+    step_seconds = [5.0, 1, 1, 1, 1, 1, 9, 1, 1, 1, 1, 1, 1, 2, 1]  # a compile, then a slow step in the second interval
+    tokens = 0
+    for i, seconds in enumerate(step_seconds, start=1):
+        recorder.on_step_begin(None, state, None)
+        clock[0] += seconds
+        recorder.on_step_end(None, state, None)
+        state.global_step, tokens = i, tokens + 100
+        if i % 5 == 0:
+            recorder.on_log(None, state, None, logs={"loss": 1.0, "num_tokens": tokens})
+    summary = recorder.summary()
+    assert summary["first_step_seconds"] == 5.0
+    assert summary["tokens_per_second_all"] == pytest.approx(1500 / sum(step_seconds))
+    assert summary["tokens_per_second"] == pytest.approx((500 / 13 + 500 / 6) / 2)  # intervals 6-10 and 11-15
+    assert [log["train_seconds"] for log in summary["logs"]] == [9.0, 22.0, 28.0]
+
+
 def test_flce_options_reach_our_trainer(workdir, tmp_path):
     """``--flce_*`` arguments, and the same keys in a ``--config`` YAML file, become the trainer's keywords; TRL's own
     trainer refuses them by name, and a backend that does not exist is the parser's error."""

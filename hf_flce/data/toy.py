@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import json
 import resource
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -93,10 +95,11 @@ class MetricsRecorder(TrainerCallback):
     """Records every log (with the time spent in training steps so far), the training tokens per second and the peak
     memory; writes them as JSON at the end when ``path`` is set.
 
-    ``tokens_per_second`` is the steady rate: ``num_tokens`` gained between the first and the last log, over the time
-    spent in the training steps between them. It leaves out the first logging interval, whose first step includes
-    one-time work (Triton compiles each kernel there, on a GPU). ``tokens_per_second_all`` counts every step, and
-    ``first_step_seconds`` is that first step alone."""
+    ``tokens_per_second`` is the steady rate: the median, over the logging intervals after the first, of the
+    ``num_tokens`` gained in the interval over the time spent in its training steps. That leaves out one-time work
+    (on a GPU, Triton compiles each kernel at the first step, and a fresh machine loads CUDA libraries at the first
+    step of each new batch shape), which would otherwise decide a short run's rate. ``tokens_per_second_all`` counts
+    every step, and ``first_step_seconds`` is the first step alone."""
 
     def __init__(self, path: str | None = None, label: str = "") -> None:
         self.path, self.label = path, label
@@ -125,10 +128,8 @@ class MetricsRecorder(TrainerCallback):
     def summary(self) -> dict:
         tokens = max((log.get("num_tokens", 0) for log in self.logs), default=0)
         overall = tokens / self.train_seconds if self.train_seconds else 0.0
-        steady = overall
-        if len(self._marks) >= 2:
-            (t0, n0), (t1, n1) = self._marks[0], self._marks[-1]
-            steady = (n1 - n0) / (t1 - t0) if t1 > t0 else overall
+        rates = [(n1 - n0) / (t1 - t0) for (t0, n0), (t1, n1) in itertools.pairwise(self._marks) if t1 > t0]
+        steady = statistics.median(rates) if rates else overall
         return {
             "label": self.label,
             "logs": self.logs,
