@@ -97,9 +97,9 @@ class MetricsRecorder(TrainerCallback):
 
     ``tokens_per_second`` is the steady rate: the median, over the logging intervals after the first, of the
     ``num_tokens`` gained in the interval over the time spent in its training steps. That leaves out one-time work
-    (on a GPU, Triton compiles each kernel at the first step, and a fresh machine loads CUDA libraries at the first
-    step of each new batch shape), which would otherwise decide a short run's rate. ``tokens_per_second_all`` counts
-    every step, and ``first_step_seconds`` is the first step alone."""
+    (on a GPU, Triton compiles each kernel at the first step, and the first step at a new batch shape is slow, much
+    slower in a fresh machine's first process), which would otherwise decide a short run's rate.
+    ``tokens_per_second_all`` counts every step, and ``first_step_seconds`` is the first step alone."""
 
     def __init__(self, path: str | None = None, label: str = "") -> None:
         self.path, self.label = path, label
