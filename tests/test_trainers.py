@@ -232,6 +232,99 @@ def test_head_on_vision_language_models(name):
     )
 
 
+def tiny_llava_with_processor():
+    """A tiny LLaVA (one-layer CLIP tower, 8x8 images in four patches) with a ``LlavaProcessor`` built offline: the
+    bundled tokenizer plus an ``<image>`` token and a chat template that places it where a message has an image."""
+    from transformers import CLIPImageProcessor, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
+
+    tokenizer = build_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    template = (
+        "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' }}"
+        "{%- for part in message['content'] %}"
+        "{%- if part['type'] == 'image' %}{{- '<image>' }}{%- else %}{{- part['text'] }}{%- endif %}"
+        "{%- endfor %}{{- '<|im_end|>\\n' }}{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+    )
+    images = CLIPImageProcessor(size={"shortest_edge": 8}, crop_size={"height": 8, "width": 8})
+    # CLIP's class token counts as an extra image token, which the "default" strategy then drops: 4 tokens per image
+    processor = LlavaProcessor(
+        image_processor=images,
+        tokenizer=tokenizer,
+        patch_size=4,
+        num_additional_image_tokens=1,
+        vision_feature_select_strategy="default",
+        chat_template=template,
+    )
+    config = LlavaConfig(
+        text_config=dict(
+            model_type="llama", vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, pad_token_id=tokenizer.pad_token_id,
+        ),
+        vision_config=dict(
+            model_type="clip_vision_model", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+            num_attention_heads=2, image_size=8, patch_size=4, projection_dim=16,
+        ),
+        image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="default",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return LlavaForConditionalGeneration(config), processor
+
+
+def image_chat_rows(n: int, preference: bool):
+    """``n`` rows of one 8x8 image and a question about it: a conversation (SFT), or a prompt with a chosen and a
+    rejected answer (DPO)."""
+    import numpy as np
+    from datasets import Dataset
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    colours = ("red", "green", "blue")
+    rows = []
+    for i in range(n):
+        question = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": f"Colour of image {i}?"}]}]
+        answers = [
+            [{"role": "assistant", "content": [{"type": "text", "text": f"Mostly {colours[(i + k) % 3]}."}]}]
+            for k in (0, 1)
+        ]
+        text = (
+            dict(prompt=question, chosen=answers[0], rejected=answers[1])
+            if preference
+            else dict(messages=question + answers[0])
+        )
+        rows.append({"images": [Image.fromarray(rng.integers(0, 255, (8, 8, 3), dtype=np.uint8))], **text})
+    return Dataset.from_list(rows)
+
+
+@pytest.mark.parametrize("task", ["sft", "dpo"])
+def test_trains_a_vision_language_model_like_trl(task, tmp_path):
+    """TRL's vision-language path (a processor, images in the dataset, its vision collator): the images reach the
+    backbone through the fused head, and every logged value, train and eval, is stock TRL's."""
+    model, processor = tiny_llava_with_processor()
+    rows = image_chat_rows(20, preference=task == "dpo")
+    pairs = {"sft": (SFTConfig, SFTTrainer, FLCESFTTrainer), "dpo": (DPOConfig, DPOTrainer, FLCEDPOTrainer)}
+    config_cls, stock_cls, ours_cls = pairs[task]
+    extra = dict(optim="sgd", learning_rate=0.1) if task == "dpo" else {}  # SGD: see the module's docstring
+    logs = {}
+    for name, cls in (("stock", stock_cls), ("ours", ours_cls)):
+        recorder = LogRecorder()
+        trainer = cls(
+            model=copy.deepcopy(model),
+            args=_base_args(config_cls, tmp_path / name, max_steps=3, eval_steps=3, max_length=None, **extra),
+            train_dataset=rows.select(range(12)),
+            eval_dataset=rows.select(range(12, 20)),
+            processing_class=processor,
+            callbacks=[recorder],
+            **({"ref_model": copy.deepcopy(model)} if task == "dpo" else {}),
+        )
+        trainer.train()
+        logs[name] = recorder.logs
+    assert any("eval_loss" in row for row in logs["ours"])
+    assert_logs_match(logs["stock"], logs["ours"], beta=trainer.beta if task == "dpo" else None)
+
+
 @pytest.mark.parametrize("loss_type", ["nll", "dft"])
 def test_head_scalar_loss_types(tokenizer, loss_type, monkeypatch):
     from hf_flce import engine
