@@ -256,19 +256,11 @@ def tiny_llava_with_processor():
         vision_feature_select_strategy="default",
         chat_template=template,
     )
-    config = LlavaConfig(
-        text_config=dict(
-            model_type="llama", vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, pad_token_id=tokenizer.pad_token_id,
-        ),
-        vision_config=dict(
-            model_type="clip_vision_model", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-            num_attention_heads=2, image_size=8, patch_size=4, projection_dim=16,
-        ),
-        image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
-        vision_feature_layer=-1,
-        vision_feature_select_strategy="default",
-    )  # fmt: skip
+    # test_patches' tiny LLaVA, with this tokenizer's vocabulary and image token
+    _, settings = VISION_LANGUAGE["LlavaForConditionalGeneration"]
+    text = dict(settings["text_config"], vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)
+    image_token = tokenizer.convert_tokens_to_ids("<image>")
+    config = LlavaConfig(**dict(settings, text_config=text, image_token_index=image_token), tie_word_embeddings=False)
     torch.manual_seed(0)
     return LlavaForConditionalGeneration(config), processor
 

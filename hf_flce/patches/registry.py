@@ -112,7 +112,8 @@ def load_class(target: Target) -> type:
 
 
 def installed_classes(targets: tuple[Target, ...]) -> dict[type, Target]:
-    """The classes of ``targets`` that the installed transformers has (an older 5.x lacks the newest families)."""
+    """The classes of ``targets`` that the installed transformers has. Every one is in the supported releases
+    (5.17-5.23); a release outside them may lack or drop a class, and the class patch then covers the rest."""
     classes = {}
     for target in targets:
         try:
