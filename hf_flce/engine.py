@@ -257,6 +257,33 @@ def _target_column_apart() -> bool:
     return os.environ.get("HF_FLCE_TARGET_APART", "1") != "0"
 
 
+def _scaled_kept_columns(plan: CallPlan, fused, w_c: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether a per-token loss keeps its leading columns as the scalar loss's ``E`` with row scales
+    (``triton_scaled``) rather than as fp16 e: its backward then takes their dX and dW from ``E`` itself, with no pass
+    turning e into the gradient (2 bytes read and 2 written per kept logit), the target column in float32 as the
+    recomputed columns' (``_target_column_apart``). bf16 operands, no bias, no label smoothing; where the upstream
+    gradients are no row scale of ``E`` (an entropy gradient, or a log-prob gradient with a z-loss) the backward
+    recomputes the kept columns too (``_scaled_upstream``)."""
+    return (
+        fused is not None
+        and (_HAS_MM_OUT_DTYPE or w_c.device.type != "cuda")
+        and fused.scaled_gradient_supports(w_c.dtype, bias, plan)
+        and _target_column_apart()
+    )
+
+
+def _scaled_upstream(plan: CallPlan, grad_loss, grad_logprob, grad_entropy) -> torch.Tensor | None:
+    """The per-row factor ``u`` of kept ``E``'s row scales (float32 ``[rows]``), or None where the upstream gradients
+    are no row scale of ``E``. Off the target column, the loss's gradient is ``p_j (1 + 2 z lse) dt_j`` and the
+    log-prob's ``-p_j dt_j``: with no z-loss both are ``p_j dt_j`` times a row factor, so ``u = g_loss - g_logprob``;
+    the entropy's, ``-p_j (t_j - lse + H) dt_j``, depends on ``t_j``."""
+    if grad_entropy is not None or (grad_logprob is not None and plan.params.z_loss != 0.0):
+        return None
+    if grad_logprob is None:
+        return grad_loss
+    return -grad_logprob if grad_loss is None else grad_loss - grad_logprob
+
+
 def _chunks(n: int, size: int):
     for start in range(0, n, size):
         yield start, min(start + size, n)
@@ -696,6 +723,7 @@ def _statistics_without_sync(
         plan.params,
         keep,
         compaction.summary,
+        scaled=keep and _scaled_kept_columns(plan, fused, w_c, bias),
         keep_columns=keep_columns if keep else None,
     )
     if plan.prob_weighted:
@@ -832,7 +860,7 @@ def _forward(x, weight, bias, target, plan: CallPlan, needs_input_grad) -> tuple
             inv_denominator,
             eager,
             keep,
-            scaled,
+            scaled or (keep_columns is not None and _scaled_kept_columns(plan, fused, w_c, bias)),
             settle if first_deferred else None,
             compaction.summary if first_deferred else None,
             keep_columns,
@@ -1085,7 +1113,7 @@ def _recompute_by_columns(
     rounded once, as one GEMM rounds it. A chunk's gradient comes from the epilogue of the GEMM that recomputes its
     logits (``fused``), or from the tile pass over its logits. ``kept`` (the forward's e for the leading columns,
     ``_kept_columns``) gives the first chunk's gradient by a pass over it, freed before the GEMMs recompute the
-    others. The recomputing epilogue and that pass (16-bit, without a bias) write 0 at each row's target column, and
+    others; kept as ``E`` with row scales (``_scaled_kept_columns``) it gives their dX and dW with no pass. The recomputing epilogue and that pass (16-bit, without a bias) write 0 at each row's target column, and
     that column's float32 value (from a float32 dot per row) is added to dW's target rows and to dX at the end: bf16
     holds ``p_y - 1`` to 2^-9 only, which loses ``p_y`` wherever it is smaller (stock's gradient does). dW is then
     rounded once at its other rows, and its target rows, whose 16-bit part holds the other rows' small terms only, get
@@ -1140,8 +1168,35 @@ def _recompute_by_columns(
         plan.tiles.backward(logits, ys, lse_v, ent_v, plan.params, *upstream, grad, first_column=start)
         return grad
 
+    def add_scaled(scaled) -> None:
+        """The kept columns' dW rows ``E^T (s X)`` and dX sum ``s (E W)``, from the forward's ``E`` with row scales
+        ``s``: as ``add`` would from their gradient ``diag(s) E``, less the target column, 0 in ``E`` and added below
+        with the others'. dW first, so that ``s X`` is freed before dX's float32 sum exists."""
+        nonlocal dx_acc
+        columns = scaled.e.shape[1]
+        if dw is not None:
+            x_scaled = scaled.x_operand(x_kept)
+            if weight_dtype == x_scaled.dtype:
+                torch.mm(scaled.e.t(), x_scaled, out=dw[:columns])
+            else:
+                dw[:columns] = exact_mm_fp32(scaled.e.t(), x_scaled)
+            del x_scaled
+        if need_dx:
+            dx_acc = scaled.scale(exact_mm_fp32(scaled.e, w_c[:columns]))
+
     first = 0
-    if kept is not None:
+    if kept is not None and hasattr(kept, "row_scale"):
+        per_row = _scaled_upstream(plan, *upstream) if target_apart else None
+        if per_row is None:
+            # no row scale of E: the kept columns are recomputed with the others
+            kept.e, kept = None, None
+        else:
+            first = kept.e.shape[1]
+            scaled = kept.times(per_row)
+            kept.e = None
+            add_scaled(scaled)
+            del scaled
+    elif kept is not None:
         first = kept.e.shape[1]
         grad = fused.gradient(kept, ys, lse_v, ent_v, plan.params, x_kept.dtype, *upstream, target_apart=target_apart)
         add(0, first, grad)

@@ -9,6 +9,7 @@
    or over the second half of each float32 row (the engine's default, with a barrier per block): ms and TB/s.
 3. ``kernels``: torch.profiler's CUDA time per kernel for one fwd+bwd at the default budget and for the floor's
    three GEMMs, each profiled after 0.5 s of both in turns: which kernel the gap to the floor is in.
+   ``kernels_pertoken``: the same for the per-token path (``reduction="none"``, a random upstream gradient).
 4. ``sweep``: the three tile passes (statistics, forward with gradient, backward) for several (block, num_warps) at
    a few chunk sizes: the data behind ``launch_config``.
 5. ``epilogue``: the logits GEMM with the softmax in its epilogue (``backends/triton_gemm.py``) against cuBLAS at
@@ -22,7 +23,8 @@
    isolated call's time is made of.
 8. ``scaled``: fwd+bwd with the scalar loss's gradient as E and row scales (``backends/triton_scaled.py``, the
    default) against the gradient pass over stored e (``HF_FLCE_SCALED_GRAD=0``), timed in turns, with each one's CUDA
-   time per kernel.
+   time per kernel; then the per-token path, whose kept leading columns are E in the same way (or fp16 e and the
+   pass with the switch off).
 9. ``reference``: fwd+bwd, the no-grad forward and the per-token path with every tile's softmax sums relative to the
    row's ``t_y + 32`` (``HF_FLCE_ROW_REFERENCE=1``, the default) against the tile's own max (``=0``), in turns.
 10. ``power``: at one chunk of the engine's default plan (for N rows, all kept), cuBLAS's logits GEMM, the epilogue
@@ -275,18 +277,20 @@ def _kernel_role(name: str) -> str:
     return name.split("(")[0][:60]
 
 
-def kernel_breakdown(name: str, rounds: int = 3) -> dict:
+def kernel_breakdown(name: str, rounds: int = 3, reduction: str = "mean") -> dict:
     """Per kernel, the CUDA time of one fwd+bwd at the default budget and of the floor's three GEMMs (``X W^T``,
     ``G W``, ``G^T X`` with ``G`` those logits, as ``benchmark_kernel.py`` times it), in turns under one profiler
     session after 0.5 s of the same load: both run at the clocks the pair settles at (at its power limit a GPU's clock
-    follows the load's power, which depends on the operands' data)."""
+    follows the load's power, which depends on the operands' data). ``reduction="none"`` profiles the per-token path
+    with a random upstream gradient, as the benchmark's ``pertoken`` section times it."""
     n, h, v = SHAPES[name]
     x, w, y = inputs(n, h, v)
     softcap = shape_softcap(name)
+    upstream = torch.randn(n, device="cuda") if reduction == "none" else None
 
     def step():
-        loss = hf_flce.fused_linear_cross_entropy(x, w, y, softcap=softcap)
-        return torch.autograd.grad(loss, (x, w))
+        loss = hf_flce.fused_linear_cross_entropy(x, w, y, softcap=softcap, reduction=reduction)
+        return torch.autograd.grad(loss, (x, w), grad_outputs=upstream)
 
     gemms = floor_gemms(x.detach(), w.detach(), torch.empty(n, v, device="cuda", dtype=torch.bfloat16))
 
@@ -309,7 +313,7 @@ def kernel_breakdown(name: str, rounds: int = 3) -> dict:
                     torch.cuda.synchronize()
     events = prof.events()
     ranges = [(e.name, e.time_range) for e in events if e.name in dict(phases)]
-    result = dict(shape=name, softcap=softcap, rounds=rounds)
+    result = dict(shape=name, softcap=softcap, rounds=rounds, reduction=reduction)
     by_phase: dict[str, dict[str, list]] = {label: {} for label, _ in phases}
     by_range: dict[int, list] = {}
     for e in sorted(events, key=lambda e: e.time_range.start):
@@ -342,7 +346,7 @@ def kernel_breakdown(name: str, rounds: int = 3) -> dict:
         result[label] = dict(sorted(roles.items(), key=lambda kv: -kv[1][0]))
         result[label + "_total_ms"] = sum(ms for ms, _ in roles.values())
     print(
-        f"{name:>11}: kernels ours {result['ours_total_ms']:.2f} ms, floor {result['floor_total_ms']:.2f} ms "
+        f"{name:>11} ({reduction}): kernels ours {result['ours_total_ms']:.2f} ms, floor {result['floor_total_ms']:.2f} ms "
         f"({result['ours_total_ms'] / result['floor_total_ms']:.3f}x); first kernel to last, ours "
         f"{result['ours_span_ms']:.2f} ms (idle {result['ours_idle_ms']:.2f}), floor {result['floor_span_ms']:.2f} ms "
         f"(idle {result['floor_idle_ms']:.2f})",
@@ -971,6 +975,8 @@ def main() -> None:
             result["tiles"] += tile_pass(name)
         if "kernels" in sections:
             result["kernels"].append(kernel_breakdown(name))
+        if "kernels_pertoken" in sections:
+            result["kernels"].append(kernel_breakdown(name, reduction="none"))
         if "epilogue" in sections:
             if not result["epilogue"]:
                 _check_tma()
@@ -980,7 +986,7 @@ def main() -> None:
         if "timeline" in sections:
             result["timeline"].append(timeline(name))
         if "scaled" in sections:
-            result["scaled"].append(switch_ab(name, "HF_FLCE_SCALED_GRAD"))
+            result["scaled"].append(switch_ab(name, "HF_FLCE_SCALED_GRAD", ("fwd_bwd", "pertoken")))
         if "reference" in sections:
             result["reference"].append(switch_ab(name, "HF_FLCE_ROW_REFERENCE", ("fwd_bwd", "no_grad", "pertoken")))
         if "power" in sections:

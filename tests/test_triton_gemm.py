@@ -16,7 +16,7 @@ from test_triton_backend import DEVICE, assert_close, build, check, make_inputs
 
 import hf_flce
 from hf_flce import engine
-from hf_flce.backends import resolve_backend, triton_gemm
+from hf_flce.backends import resolve_backend, triton_gemm, triton_scaled
 from hf_flce.backends.base import OPTIONAL_STATS, TileParams
 from hf_flce.backends.torch_tiles import TorchTileOps
 from hf_flce.backends.triton_tiles import TritonTileOps
@@ -428,24 +428,26 @@ def test_recompute_past_the_budget_takes_column_chunks_where_rows_took_one_chunk
 @pytest.mark.parametrize("budget, recomputed, kept", [(1024, 3, 0), (40000, 2, 1)], ids=["recomputed", "256-kept"])
 def test_recompute_by_vocabulary_chunks_under_autocast(budget, recomputed, kept, fused_calls):
     """float32 inputs under bf16 autocast: the chunks' dW rows come back in float32, and dX too; the kept leading
-    columns' gradient is taken in bf16, as the recomputed chunks' is (not in float32, twice the kept bytes)."""
+    columns are bf16 E with row scales, as the recomputed chunks' gradient is bf16 (not float32, twice the kept
+    bytes), and their dW rows come from E in float32 too."""
     hidden, weight, target, _, _ = build((), n=60, v=600)
     x, w = (t.clone().requires_grad_() for t in (hidden, weight))
     upstream = torch.randn(target.shape, generator=torch.Generator().manual_seed(3)).to(target.device)
-    out_dtypes = []
-    counted_gradient = triton_gemm.gradient
+    kept_dtypes = []
+    real_times = triton_scaled.ScaledGradient.times
 
-    def gradient(kept_e, target, lse, entropy, params, out_dtype, *upstream, **options):
-        out_dtypes.append(out_dtype)
-        return counted_gradient(kept_e, target, lse, entropy, params, out_dtype, *upstream, **options)
+    def times(scaled, per_row):
+        kept_dtypes.append(scaled.e.dtype)
+        return real_times(scaled, per_row)
 
-    with mock.patch.object(triton_gemm, "gradient", gradient):
+    with mock.patch.object(triton_scaled.ScaledGradient, "times", times):
         with torch.autocast(x.device.type, dtype=torch.bfloat16):
             loss = hf_flce.fused_linear_cross_entropy(
                 x, w, target, backend="triton", reduction="none", memory_budget=budget
             )
         (loss * upstream).sum().backward()
-    assert fused_calls["recompute_gradient"] == recomputed and out_dtypes == [torch.bfloat16] * kept
+    assert fused_calls["recompute_gradient"] == recomputed and fused_calls["gradient"] == 0
+    assert kept_dtypes == [torch.bfloat16] * kept
     assert x.grad.dtype == torch.float32 and w.grad.dtype == torch.float32
     rx, rw = (t.detach().bfloat16().double().requires_grad_() for t in (hidden, weight))
     ref, _ = hf_flce.reference_linear_cross_entropy(rx, rw, target, reduction="none")
@@ -522,6 +524,95 @@ def test_partly_kept_columns_with_a_frozen_head_every_row_ignored_and_a_second_b
     (loss * upstream).sum().backward()
     assert torch.equal(loss, torch.zeros_like(loss))
     assert torch.count_nonzero(x.grad) == 0 and torch.count_nonzero(wg.grad) == 0
+
+
+def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual.double() - expected.double()).norm() / expected.double().norm()).item()
+
+
+@pytest.mark.parametrize(
+    "names, upstream, scaled",
+    [
+        ((), "loss", True),
+        ((), "logprob", True),
+        (("z_loss",), "loss", True),
+        (("softcap", "temperature"), "loss+logprob", True),
+        # no row scale of E: the kept columns are recomputed with the others
+        (("z_loss",), "logprob", False),
+        ((), "loss+logprob+entropy", False),
+    ],
+    ids=lambda c: "+".join(c) or "plain" if isinstance(c, tuple) else str(c),
+)
+@pytest.mark.parametrize("budget, sync", [(71680, False), (100_000, True)], ids=["no-host-wait", "count-read-first"])
+def test_per_token_bf16_keeps_leading_columns_as_e_with_row_scales(names, upstream, scaled, budget, sync, fused_calls):
+    """bf16 per-token logits past the keep limit keep their leading columns as the scalar loss's E (row scales, the
+    target column apart): backward takes those columns' dX and dW from E with no pass over it, for upstream gradients
+    of the loss and the log-probs (``u = g_loss - g_logprob``, no z-loss with the latter). Otherwise it recomputes
+    them with the others. Against float64: within the bf16 gradient's rounding (the fp16-e path reads 2.7-3.8e-3 on
+    these inputs), with targets on both sides of every tile edge and of the kept width."""
+    hidden, weight, target, _, opts = build(names, n=70, v=1000, ignore_every=4)
+    target[1:16:2] = torch.tensor([0, 255, 256, 511, 512, 767, 768, 999], device=target.device)
+    x, w = (t.bfloat16().requires_grad_() for t in (hidden, weight))
+    gen = torch.Generator().manual_seed(1)
+    coefs = {
+        name: torch.randn(70, generator=gen, dtype=torch.float64).to(DEVICE) for name in ("loss", "logprob", "entropy")
+    }
+
+    def objective(loss, stats):
+        values = dict(loss=loss, logprob=stats["logprobs"], entropy=stats["entropy"])
+        return sum((values[name] * coefs[name].to(loss.dtype)).sum() for name in upstream.split("+"))
+
+    kept_columns, row_scaled = [], []
+    real_times = triton_scaled.ScaledGradient.times
+    with (
+        _recording_kept_columns(kept_columns),
+        mock.patch.object(engine, "kept_rows", wraps=engine.kept_rows) as compaction,
+        mock.patch.object(
+            triton_scaled.ScaledGradient, "times", lambda self, u: row_scaled.append(1) or real_times(self, u)
+        ),
+    ):
+        loss, stats = hf_flce.fused_linear_cross_entropy(
+            x, w, target, backend="triton", reduction="none", return_stats=True, memory_budget=budget, **opts
+        )
+        objective(loss, vars(stats)).backward()
+    assert kept_columns == [512 if budget == 71680 else 768] and compaction.called == sync
+    assert fused_calls["gradient"] == 0 and len(row_scaled) == int(scaled)
+    ref_leaves = [t.detach().double().requires_grad_() for t in (x, w)]
+    ref, ref_stats = hf_flce.reference_linear_cross_entropy(*ref_leaves, target, reduction="none", **opts)
+    objective(ref, ref_stats).backward()
+    for name, ours, theirs in (("dX", x.grad, ref_leaves[0].grad), ("dW", w.grad, ref_leaves[1].grad)):
+        assert _relative_error(ours, theirs) < 6e-3, name
+
+
+@pytest.mark.parametrize("optional_stats", [False, True], ids=["row-reference", "tile-max"])
+@pytest.mark.parametrize("names", [(), ("softcap", "temperature")], ids=lambda c: "+".join(c) or "plain")
+def test_scaled_forward_keeps_leading_columns(names, optional_stats):
+    """``forward(scaled=True, keep_columns=512)`` at 1000 classes stores the leading 512 columns of the whole call's
+    E exactly, with its statistics and row scales to rounding: against the row's reference (``SPLIT``: E stored from
+    registers by column halves) and against each tile's max (entropy asked for). Rows past ~120 nats get E rewritten
+    by the merge within the kept width; each kept row's target column is 0 where E holds it."""
+    hidden, weight, target, _ = make_inputs(23, 16, 1000, ignore_every=4, seed=9)
+    hidden, target = hundreds_of_nats(hidden, weight, target, rows=3)
+    target[3:9] = torch.tensor([0, 255, 256, 511, 512, 999], device=target.device)
+    hidden, weight = hidden.bfloat16(), weight.bfloat16()
+    softcap = 30.0 if "softcap" in names else None
+    params = params_for(
+        1000, softcap=softcap, temperature=0.7 if names else 1.0, stats=frozenset({"entropy"} if optional_stats else ())
+    )
+    stats, whole = triton_gemm.forward(hidden, weight, None, target, params, keep=False, scaled=True)
+    part_stats, part = triton_gemm.forward(
+        hidden, weight, None, target, params, keep=True, scaled=True, keep_columns=512
+    )
+    assert part.e.shape == (23, 512)
+    assert torch.equal(part.e, whole.e[:, :512])
+    # the tiles past the kept width sum their row without splitting it in halves: equal to rounding
+    for name in ("row_scale", "target_coef"):
+        torch.testing.assert_close(getattr(part, name), getattr(whole, name), rtol=1e-6, atol=0, msg=name)
+    for name in ("loss", "lse", "entropy"):
+        torch.testing.assert_close(getattr(part_stats, name), getattr(stats, name), rtol=1e-6, atol=0, msg=name)
+    kept = (target != -100) & (target < 512)
+    assert not part.e[kept.nonzero()[:, 0], target[kept]].any()
+    assert part.e[:3].any(1).all()  # the rewritten rows past ~120 nats
 
 
 @pytest.mark.parametrize("names", [(), ("softcap", "z_loss", "temperature", "bias")], ids=["plain", "options"])

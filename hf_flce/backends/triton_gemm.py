@@ -40,7 +40,9 @@ tile path for them.
 
 A scalar loss on bf16 operands (no bias, no label smoothing) skips the gradient pass: ``MODE_SCALED`` stores
 ``E = exp(t - t_y - 32) dt`` in bf16 against one reference per row, known before the GEMM, and the gradient GEMMs take
-``E`` with row scales (``triton_scaled.py``). The pass over stored ``e`` remains for the other calls.
+``E`` with row scales (``triton_scaled.py``). So do the leading columns a bf16 per-token loss keeps past the keep
+limit (``keep_columns`` with ``scaled``), their row scales times each row's upstream gradient in backward. The pass
+over stored ``e`` remains for the other calls.
 """
 
 from __future__ import annotations
@@ -408,8 +410,8 @@ def _head_gemm_kernel(
     Persistent: each program takes every ``num_programs``-th tile of the full column blocks, then of the ragged last
     one (if V % BN), the only tiles that mask columns. ``ROWS_ON_DEVICE``: only the first ``*rows_ptr`` of the N rows
     (all N if that count is larger: a first chunk) are computed, a count the host never reads; N stays the stride
-    of the partials. ``PARTIAL_OUT`` (MODE 1): ``e`` is stored for the first ``out_cols`` columns only (a multiple of
-    BN; ``out`` is ``[N, out_cols]``), the kept part of a per-token loss whose logits pass the budget.
+    of the partials. ``PARTIAL_OUT`` (MODE 1 or 3): ``e`` or ``E`` is stored for the first ``out_cols`` columns only (a
+    multiple of BN; ``out`` is ``[N, out_cols]``), the kept part of a per-token loss whose logits pass the budget.
     ``TARGET_APART`` (MODE 2): 0 at each row's target column (``target_gradient`` gives it in float32)."""
     # the hardware's tanh for 16-bit operands; float32 ones (tests) get the float32-exact form
     FAST_TANH: tl.constexpr = HW_TANH and x_ptr.dtype.element_ty != tl.float32
@@ -537,8 +539,10 @@ def _head_gemm_kernel(
                     out_desc.store([pid_m * BM, pid_n * BN], g.to(out_ptr.dtype.element_ty))
                 else:
                     tl.store(out_ptrs, g.to(out_ptr.dtype.element_ty), mask=out_mask)
-            elif SPLIT:
-                # MODE 3 with FIXED_REF: no statistic but sum e, and the halves' sums add. In two column halves, E
+            elif SPLIT and (SEG == 0 or SEG == RAGGED and not PARTIAL_OUT):
+                # MODE 3 with FIXED_REF where E is stored (with PARTIAL_OUT the tiles past the kept columns take the
+                # whole-tile branch below: its sum alone, with no split of the tile): no statistic but sum e, and the
+                # halves' sums add. In two column halves, E
                 # stored from registers: with a softcap, dt/dz is a second tile of float32 registers beside e, and at
                 # 128x256 the whole-tile epilogue took 255 registers and spilled 34 (H200, Triton 3.6); a TMA store
                 # stages the tile in shared memory between CTA barriers, which were 35-39% of the warps' stalls
@@ -797,6 +801,7 @@ def _merge_kernel(
     ref_offset,
     e_ptr,
     stride_en,
+    e_cols,
     repair_above,
     loss_ptr,
     lse_ptr,
@@ -901,6 +906,7 @@ def _merge_kernel(
                         t_scale,
                         inv_temperature,
                         e_ptr + row.to(tl.int64) * stride_en,
+                        e_cols,
                         tl.sum(tl.where(lanes == i, y, 0), 0),
                         tl.sum(tl.where(lanes == i, t_y, 0.0), 0),
                         tl.sum(tl.where(lanes == i, lse, 0.0), 0),
@@ -1177,7 +1183,8 @@ def _gemm(
 ):
     """``weight`` (and ``bias``) may hold the head's rows from ``first_column`` on (MODE_GRAD only): the output's
     columns are theirs, while the statistics' constants still come from the whole vocabulary (``params.vocab``).
-    ``out_columns`` (MODE_KEEP, a multiple of every configuration's BN): ``out`` holds e's first columns only.
+    ``out_columns`` (MODE_KEEP or MODE_SCALED, a multiple of every configuration's BN): ``out`` holds e's (E's) first
+    columns only.
     ``target_apart`` (MODE_GRAD): the gradient has 0 at each row's target column. ``use_tma``: ``_tma_usable(x,
     weight)`` where the caller has it."""
     n, k = x.shape
@@ -1353,10 +1360,14 @@ def forward(
     second result is the logits gradient as a ``ScaledGradient`` per unit of upstream gradient, with no pass over the
     logits after the GEMM; with ``upstream`` (a function giving the 0-d float32 upstream gradient, called once the GEMM
     is launched), for that gradient instead. ``keep_columns`` (with ``keep``, a multiple of ``COLUMN_ALIGN``): e is
-    kept for the first columns only, the rest of a per-token loss's logits being recomputed in backward."""
+    kept for the first columns only, the rest of a per-token loss's logits being recomputed in backward; with
+    ``scaled`` too, as E with row scales per unit of upstream gradient (``ScaledGradient.times`` gives them the
+    per-token upstream), whose target column, where E holds it, is 0 (``target_gradient`` gives it)."""
     n, vocab = x.shape[0], params.vocab
-    if keep_columns is not None and (not keep or keep_columns % COLUMN_ALIGN or keep_columns <= 0):
-        raise ValueError(f"keep_columns must be a positive multiple of {COLUMN_ALIGN} with keep, got {keep_columns}")
+    if keep_columns is not None and (not (keep or scaled) or keep_columns % COLUMN_ALIGN or keep_columns <= 0):
+        raise ValueError(
+            f"keep_columns must be a positive multiple of {COLUMN_ALIGN} with keep or scaled, got {keep_columns}"
+        )
     partial = keep_columns is not None and keep_columns < vocab
     e_columns = keep_columns if partial else vocab
     dev = x.device
@@ -1365,7 +1376,7 @@ def forward(
     if n == 0:
         stats = TileStats.empty(0, dev)
         if scaled:
-            empty = torch.empty(0, vocab, dtype=x.dtype, device=dev)
+            empty = torch.empty(0, e_columns, dtype=x.dtype, device=dev)
             return stats, triton_scaled.ScaledGradient(empty, stats.loss, stats.loss, target, params.ignore_index)
         empty = torch.empty(0, e_columns, dtype=torch.float16, device=dev)
         return stats, (KeptSoftmax(empty, stats.loss.view(1, 0), 1, stats.loss) if keep else None)
@@ -1383,7 +1394,7 @@ def forward(
         t_y = torch.empty(n, **f32)
         _launch_target_kernel(x, weight, bias, target, params, t_y)
     if scaled:
-        e = torch.empty(n, vocab, dtype=x.dtype, device=dev)
+        e = torch.empty(n, e_columns, dtype=x.dtype, device=dev)
     elif keep:
         e = torch.empty(n, e_columns, **f16)
     with TritonTileOps._device_guard(dev):
@@ -1430,6 +1441,7 @@ def forward(
             triton_scaled.REF_OFFSET,
             t_y if e is None else e,
             0 if e is None else e.stride(0),
+            0 if e is None else e.shape[1],
             triton_scaled.REPAIR_ABOVE,
             stats.loss,
             stats.lse,

@@ -66,6 +66,7 @@ def _row_scales_kernel(
     r_ptr,
     q_ptr,
     N,
+    e_cols,
     ignore_index,
     t_scale,
     inv_temperature,
@@ -80,7 +81,8 @@ def _row_scales_kernel(
 ):
     """Per row, per unit of upstream gradient (times the 0-d ``g`` with ``HAS_UPSTREAM``): the scale
     ``r = exp(m - lse) (1 + 2 z lse)`` of ``E`` and the target column's gradient ``q = (p_y (1 + 2 z lse) - 1) dt_y``
-    (both 0 at ignored rows); ``E``'s target column is set to 0. Rows whose loss exceeds ``repair_above`` had ``E``
+    (both 0 at ignored rows); ``E``'s target column is set to 0 where ``E`` holds it (its ``e_cols`` leading columns:
+    all, or those a per-token loss keeps). Rows whose loss exceeds ``repair_above`` had ``E``
     written again with ``m = lse`` by the merge (``exact_row``), so ``r = 1 + 2 z lse`` there."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     row_ok = rows < N
@@ -111,7 +113,8 @@ def _row_scales_kernel(
     tl.store(r_ptr + rows, r, mask=row_ok)
     tl.store(q_ptr + rows, q, mask=row_ok)
     e_rows = e_ptr + rows.to(tl.int64) * stride_en
-    tl.store(e_rows + tl.where(valid, y, 0), tl.zeros((BR,), tl.float32).to(e_ptr.dtype.element_ty), mask=valid)
+    in_e = valid & (y < e_cols)
+    tl.store(e_rows + tl.where(in_e, y, 0), tl.zeros((BR,), tl.float32).to(e_ptr.dtype.element_ty), mask=in_e)
 
 
 @triton.jit
@@ -125,6 +128,7 @@ def exact_row(
     t_scale,
     inv_temperature,
     e_row,
+    e_cols,
     row_y,
     row_ty,
     row_lse,
@@ -138,7 +142,8 @@ def exact_row(
     that trains), its logits ``t`` recomputed BV columns at a time by float32 dots. Returns the row's lse: ``row_lse``
     unless that is inf (a sum against ``t_y + REF_OFFSET`` that overflowed), then computed again by online softmax
     (the running sum rescaled by ``exp(m_old - m_new)`` whenever a block raises the running max). Then a row
-    whose loss exceeds ``repair_above`` gets ``E = exp(t - lse) dt`` written to ``e_row`` (0 at ``row_y``)."""
+    whose loss exceeds ``repair_above`` gets ``E = exp(t - lse) dt`` written to ``e_row``'s ``e_cols`` leading columns
+    (all V, or those a per-token loss keeps), 0 at ``row_y``."""
     FAST_TANH: tl.constexpr = HW_TANH and x_row.dtype.element_ty != tl.float32  # as the GEMM's epilogue
     cols = tl.arange(0, BV)
     ks = tl.arange(0, BK)
@@ -171,7 +176,7 @@ def exact_row(
                     if HAS_SOFTCAP or HAS_TEMPERATURE:
                         e *= dt
                     e = tl.where(col == row_y, 0.0, e)
-                    tl.store(e_row + col, e.to(e_row.dtype.element_ty), mask=col_ok)
+                    tl.store(e_row + col, e.to(e_row.dtype.element_ty), mask=col < e_cols)
             if p == 0:
                 row_lse = m + tl.log(s)
     return row_lse
@@ -397,6 +402,10 @@ class ScaledGradient:
         """``diag(s) x`` in ``E``'s dtype: dW's second operand."""
         return self._rows(x, torch.empty(x.shape, dtype=self.e.dtype, device=x.device))
 
+    def scale(self, ew: torch.Tensor) -> torch.Tensor:
+        """``diag(s) ew`` in place (``ew = E W``, float32): dX without the target column."""
+        return scale_rows(ew, ew, self.row_scale)
+
     @staticmethod
     def add_target_rows(
         dw: torch.Tensor,
@@ -473,6 +482,7 @@ def row_scales(
                 r,
                 q,
                 n,
+                e.shape[1],
                 params.ignore_index,
                 *transform[1:],
                 params.z_loss,
