@@ -1113,11 +1113,12 @@ def _recompute_by_columns(
     rounded once, as one GEMM rounds it. A chunk's gradient comes from the epilogue of the GEMM that recomputes its
     logits (``fused``), or from the tile pass over its logits. ``kept`` (the forward's e for the leading columns,
     ``_kept_columns``) gives the first chunk's gradient by a pass over it, freed before the GEMMs recompute the
-    others; kept as ``E`` with row scales (``_scaled_kept_columns``) it gives their dX and dW with no pass. The recomputing epilogue and that pass (16-bit, without a bias) write 0 at each row's target column, and
-    that column's float32 value (from a float32 dot per row) is added to dW's target rows and to dX at the end: bf16
-    holds ``p_y - 1`` to 2^-9 only, which loses ``p_y`` wherever it is smaller (stock's gradient does). dW is then
-    rounded once at its other rows, and its target rows, whose 16-bit part holds the other rows' small terms only, get
-    the float32 term before a second rounding."""
+    others; kept as ``E`` with row scales (``_scaled_kept_columns``) it gives their dX and dW with no pass. The
+    recomputing epilogue and that pass (16-bit, without a bias) write 0 at each row's target column (as ``E`` holds
+    it), and that column's float32 value (from a float32 dot per row) is added to dW's target rows and to dX at the
+    end: bf16 holds ``p_y - 1`` to 2^-9 only, which loses ``p_y`` wherever it is smaller (stock's gradient does). dW
+    is then rounded once at its other rows, and its target rows, whose 16-bit part holds the other rows' small terms
+    only, get the float32 term before a second rounding."""
     need_dx, need_dw, need_db = needs
     n_valid = ys.shape[0]
     vocab = w_c.shape[0]
