@@ -257,19 +257,24 @@ def _target_column_apart() -> bool:
     return os.environ.get("HF_FLCE_TARGET_APART", "1") != "0"
 
 
-def _scaled_kept_columns(plan: CallPlan, fused, w_c: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether a per-token loss keeps its leading columns as the scalar loss's ``E`` with row scales
-    (``triton_scaled``) rather than as fp16 e: its backward then takes their dX and dW from ``E`` itself, with no pass
-    turning e into the gradient (2 bytes read and 2 written per kept logit), the target column in float32 as the
-    recomputed columns' (``_target_column_apart``). bf16 operands, no bias, no label smoothing; where the upstream
-    gradients are no row scale of ``E`` (an entropy gradient, or a log-prob gradient with a z-loss) the backward
-    recomputes the kept columns too (``_scaled_upstream``)."""
+def _scaled_gradient(plan: CallPlan, fused, w_c: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether the epilogue path can carry a logits gradient as ``E`` and row scales (``triton_scaled``): bf16
+    operands, no bias, no label smoothing, and on CUDA only where ``mm_fp32`` keeps ``E W`` in float32."""
     return (
         fused is not None
         and (_HAS_MM_OUT_DTYPE or w_c.device.type != "cuda")
         and fused.scaled_gradient_supports(w_c.dtype, bias, plan)
-        and _target_column_apart()
     )
+
+
+def _scaled_kept_columns(plan: CallPlan, fused, w_c: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether a per-token loss keeps its leading columns as the scalar loss's ``E`` with row scales
+    (``_scaled_gradient``) rather than as fp16 e: its backward then takes their dX and dW from ``E`` itself, with no
+    pass turning e into the gradient (2 bytes read and 2 written per kept logit), the target column in float32 as the
+    recomputed columns' (``_target_column_apart``). Where the upstream gradients are no row scale of ``E`` (an entropy
+    gradient, or a log-prob gradient with a z-loss) the backward recomputes the kept columns too
+    (``_scaled_upstream``)."""
+    return _scaled_gradient(plan, fused, w_c, bias) and _target_column_apart()
 
 
 def _scaled_upstream(plan: CallPlan, grad_loss, grad_logprob, grad_entropy) -> torch.Tensor | None:
@@ -765,15 +770,8 @@ def _forward(x, weight, bias, target, plan: CallPlan, needs_input_grad) -> tuple
             return result
     ignore_index = plan.params.ignore_index
     residual = _residual_dw(plan, x, weight) if eager else None
-    # the gradient as E and row scales (no pass over the logits): not into an int8 residual, and on CUDA only where
-    # mm_fp32 keeps E W in float32
-    scaled = (
-        eager
-        and fused is not None
-        and residual is None
-        and (_HAS_MM_OUT_DTYPE or w_c.device.type != "cuda")
-        and fused.scaled_gradient_supports(w_c.dtype, bias, plan)
-    )
+    # the gradient as E and row scales (no pass over the logits): not into an int8 residual
+    scaled = eager and residual is None and _scaled_gradient(plan, fused, w_c, bias)
     accumulator = _accumulator_bytes(residual, weight, eager and need_dw)
     logits_16bit = fused is None and _logits_16bit(plan, x, bias)
     if fused is not None:
@@ -811,6 +809,8 @@ def _forward(x, weight, bias, target, plan: CallPlan, needs_input_grad) -> tuple
     if need_grad and not eager and not keep_logits and n_chunks == 1 and fused is not None and not plan.prob_weighted:
         keep_columns = _kept_columns(plan, fused, n_valid, x, w_c, weight, (need_dx, need_dw))
     keep = keep_logits or keep_columns is not None
+    # the scalar loss's gradient, or the leading columns a per-token loss keeps, as E and row scales
+    scaled = scaled or (keep_columns is not None and _scaled_kept_columns(plan, fused, w_c, bias))
 
     def settle() -> int:
         """The deferred first chunk's rows that are kept, once the host has read the count. The rest is planned in as
@@ -860,7 +860,7 @@ def _forward(x, weight, bias, target, plan: CallPlan, needs_input_grad) -> tuple
             inv_denominator,
             eager,
             keep,
-            scaled or (keep_columns is not None and _scaled_kept_columns(plan, fused, w_c, bias)),
+            scaled,
             settle if first_deferred else None,
             compaction.summary if first_deferred else None,
             keep_columns,
@@ -1136,16 +1136,22 @@ def _recompute_by_columns(
     # each kept row's target column apart, in float32 (db would need it too: not with a bias)
     target_apart = fused is not None and bias is None and x_kept.dtype.itemsize == 2 and _target_column_apart()
 
+    def add_dw(start: int, end: int, grad: torch.Tensor, rows: torch.Tensor) -> None:
+        """dW's rows ``start:end`` as ``grad^T rows``, in the weight's dtype (in float32 before its rounding)."""
+        if weight_dtype == grad.dtype:
+            torch.mm(grad.t(), rows, out=dw[start:end])
+        else:
+            dw[start:end] = exact_mm_fp32(grad.t(), rows)
+
     def add(start: int, end: int, grad: torch.Tensor) -> None:
         nonlocal dx_acc
         w_cols = w_c[start:end]
         if need_dx:
             # the first chunk writes the float32 sum, the others add into it
             dx_acc = exact_mm_fp32(grad, w_cols, dx_acc)
-        if dw is not None and weight_dtype == grad.dtype:
-            torch.mm(grad.t(), x_kept, out=dw[start:end])
-        elif dw is not None:
-            dw[start:end] = exact_mm_fp32(grad.t(), x_dw)
+        if dw is not None:
+            # x_dw is x_kept unless the weight's dtype differs from the gradient's
+            add_dw(start, end, grad, x_dw)
         if db is not None:
             db[start:end] = grad.sum(0, dtype=torch.float32)
 
@@ -1176,12 +1182,7 @@ def _recompute_by_columns(
         nonlocal dx_acc
         columns = scaled.e.shape[1]
         if dw is not None:
-            x_scaled = scaled.x_operand(x_kept)
-            if weight_dtype == x_scaled.dtype:
-                torch.mm(scaled.e.t(), x_scaled, out=dw[:columns])
-            else:
-                dw[:columns] = exact_mm_fp32(scaled.e.t(), x_scaled)
-            del x_scaled
+            add_dw(0, columns, scaled.e, scaled.x_operand(x_kept))
         if need_dx:
             dx_acc = scaled.scale(exact_mm_fp32(scaled.e, w_c[:columns]))
 

@@ -12,7 +12,7 @@ from unittest import mock
 
 import pytest
 import torch
-from test_triton_backend import DEVICE, assert_close, build, check, make_inputs
+from test_triton_backend import DEVICE, assert_close, build, check, make_inputs, rel_err
 
 import hf_flce
 from hf_flce import engine
@@ -526,10 +526,6 @@ def test_partly_kept_columns_with_a_frozen_head_every_row_ignored_and_a_second_b
     assert torch.count_nonzero(x.grad) == 0 and torch.count_nonzero(wg.grad) == 0
 
 
-def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((actual.double() - expected.double()).norm() / expected.double().norm()).item()
-
-
 @pytest.mark.parametrize(
     "names, upstream, scaled",
     [
@@ -581,7 +577,7 @@ def test_per_token_bf16_keeps_leading_columns_as_e_with_row_scales(names, upstre
     ref, ref_stats = hf_flce.reference_linear_cross_entropy(*ref_leaves, target, reduction="none", **opts)
     objective(ref, ref_stats).backward()
     for name, ours, theirs in (("dX", x.grad, ref_leaves[0].grad), ("dW", w.grad, ref_leaves[1].grad)):
-        assert _relative_error(ours, theirs) < 6e-3, name
+        assert rel_err(ours, theirs) < 6e-3, name
 
 
 @pytest.mark.parametrize("optional_stats", [False, True], ids=["row-reference", "tile-max"])
