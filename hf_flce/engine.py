@@ -268,12 +268,11 @@ def _scaled_gradient(plan: CallPlan, fused, w_c: torch.Tensor, bias: torch.Tenso
 
 
 def _scaled_kept_columns(plan: CallPlan, fused, w_c: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether a per-token loss keeps its leading columns as the scalar loss's ``E`` with row scales
-    (``_scaled_gradient``) rather than as fp16 e: its backward then takes their dX and dW from ``E`` itself, with no
-    pass turning e into the gradient (2 bytes read and 2 written per kept logit), the target column in float32 as the
-    recomputed columns' (``_target_column_apart``). Where the upstream gradients are no row scale of ``E`` (an entropy
-    gradient, or a log-prob gradient with a z-loss) the backward recomputes the kept columns too
-    (``_scaled_upstream``)."""
+    """Whether a per-token loss keeps its leading columns, or its logits whole, as the scalar loss's ``E`` with row
+    scales (``_scaled_gradient``) rather than as fp16 e: its backward then takes their dX and dW from ``E`` itself,
+    with no pass turning e into the gradient (2 bytes read and 2 written per kept logit), the target column in float32
+    (``_target_column_apart``). Where the upstream gradients are no row scale of ``E`` (an entropy gradient, or a
+    log-prob gradient with a z-loss) the backward recomputes the kept columns too (``_scaled_upstream``)."""
     return _scaled_gradient(plan, fused, w_c, bias) and _target_column_apart()
 
 
@@ -432,7 +431,7 @@ class _GradBuffers:
         if self.dx is not None:
             # E W in float32 ([rows, H]) is a temporary: not alive any more when the dW GEMM runs (the call's peak)
             grad.write_dx(
-                mm_fp32(grad.e, self.weight),
+                exact_mm_fp32(grad.e, self.weight),
                 self.weight,
                 self.dx,
                 None if self.rows is None else self.rows[start:end],
@@ -809,8 +808,9 @@ def _forward(x, weight, bias, target, plan: CallPlan, needs_input_grad) -> tuple
     if need_grad and not eager and not keep_logits and n_chunks == 1 and fused is not None and not plan.prob_weighted:
         keep_columns = _kept_columns(plan, fused, n_valid, x, w_c, weight, (need_dx, need_dw))
     keep = keep_logits or keep_columns is not None
-    # the scalar loss's gradient, or the leading columns a per-token loss keeps, as E and row scales
-    scaled = scaled or (keep_columns is not None and _scaled_kept_columns(plan, fused, w_c, bias))
+    # the scalar loss's gradient, or what a per-token loss keeps (its leading columns, or its logits whole), as E and
+    # row scales
+    scaled = scaled or (keep and not plan.prob_weighted and _scaled_kept_columns(plan, fused, w_c, bias))
 
     def settle() -> int:
         """The deferred first chunk's rows that are kept, once the host has read the count. The rest is planned in as
@@ -1018,6 +1018,17 @@ def _recompute_grads(
     gl, glp, ge = compact(g_loss), compact(g_logp), compact(g_ent)
     n_valid = ys.shape[0]
     w_c = compute_operand(weight, plan)
+    if kept is not None and hasattr(kept, "row_scale") and kept.e.shape[1] == weight.shape[0]:
+        # logits kept whole as E with row scales: the scalar loss's route, once each row's upstream factor is known
+        per_row = _scaled_upstream(plan, gl, glp, ge)
+        if per_row is not None:
+            grads = _GradBuffers(n, x.dtype, w_c, weight.dtype, 1, need_dx, need_dw, need_db, rows)
+            grads.add(0, n_valid, kept.times(per_row), _chunk_rows(x, rows, 0, n_valid, plan))
+            kept.e = None
+            grads.add_target_rows(x, ys, plan.params.ignore_index)
+            return grads.finish()
+        # no row scale of E: the logits are recomputed
+        kept.e, kept = None, None
     fused = _fused_head(plan, x, w_c, bias)
     logits_16bit = fused is None and _logits_16bit(plan, x, bias)
     if fused is not None:

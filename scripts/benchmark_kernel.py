@@ -33,7 +33,9 @@ Sections (``--sections``):
             yardsticks: as inside a model, where the host enqueues the head while the GPU still runs the layers
             before it, so only host time after a host read is exposed), and isolated, each alone on an idle GPU
             (``*_isolated_ms``: every host step before the first kernel is exposed; earlier runs timed only this).
-  pertoken  ``reduction="none"`` with a random per-token upstream gradient: time, memory, gradient error.
+  pertoken  ``reduction="none"`` with a random per-token upstream gradient: time, memory, gradient error. On a GPU
+            at the focus shapes, whose logits the per-token path recomputes in backward, and at shapes whose logits
+            it keeps whole (``KEPT_WHOLE_SHAPES`` and mistral-7b): the two bounds of the per-token target.
   masked    the first half of every 4096-token sequence masked as prompt, against the unmasked batch.
   memory    accelerators: extra memory and time vs N (8k, 32k, 64k tokens at llama3-8b's H and V). CPU: peak RSS
             delta (VmHWM reset through /proc/self/clear_refs) of one fwd+bwd, one fresh process per provider.
@@ -111,6 +113,12 @@ GPU_SHAPES = (
     Shape("gemma2-2b", 8192, 2304, 256000, 30.0),
     Shape("accuracy", 4096, 2048, 65536),  # design.md's gradient-accuracy shape
 )
+# per-token shapes whose logits fit the 1 GiB keep limit (kept whole from forward to backward), at llama3-8b's and
+# qwen3-0.6b's heads; mistral-7b's fits at its benchmark N
+KEPT_WHOLE_SHAPES = (
+    Shape("llama3-8b-3k", 3072, 4096, 128256),
+    Shape("qwen3-0.6b-3k", 3072, 1024, 151936),
+)
 CPU_SHAPES = (
     Shape("cpu-s", 512, 256, 8192),
     Shape("cpu-m", 1024, 512, 32000),
@@ -118,7 +126,7 @@ CPU_SHAPES = (
 )
 CPU_MEM_SHAPE = "4096x1024x32768"
 NPU_SHAPES = tuple(Shape(f"npu-v{v // 1024}k", 8 * 2048, NPU_HIDDEN, v) for v in (1024, 2048, 4096, 8192, 16384, 32768))
-SHAPES = {s.name: s for s in (*GPU_SHAPES, *CPU_SHAPES, *NPU_SHAPES)}
+SHAPES = {s.name: s for s in (*GPU_SHAPES, *KEPT_WHOLE_SHAPES, *CPU_SHAPES, *NPU_SHAPES)}
 
 
 @dataclass(frozen=True)
@@ -130,12 +138,18 @@ class DeviceDefaults:
     memory_n: tuple[int, ...]
     warmup: int = 2
     reps: int = 5
+    kept_whole: tuple[str, ...] = ()  # more pertoken shapes: logits kept whole from forward to backward
 
 
 _ALL_PEERS = ("stock", "compile", "liger", "cce", "cce_nofilter", "trl", "torch_lce", "ours", "ours_lean")
 DEFAULTS = {
     "cuda": DeviceDefaults(
-        tuple(s.name for s in GPU_SHAPES), _ALL_PEERS, ("llama3-8b", "qwen3-0.6b"), "llama3-8b", (8192, 32768, 65536)
+        tuple(s.name for s in GPU_SHAPES),
+        _ALL_PEERS,
+        ("llama3-8b", "qwen3-0.6b"),
+        "llama3-8b",
+        (8192, 32768, 65536),
+        kept_whole=("mistral-7b", *(s.name for s in KEPT_WHOLE_SHAPES)),
     ),
     "npu": DeviceDefaults(
         tuple(s.name for s in NPU_SHAPES), ("stock", "ours"), ("npu-v32k",), "npu-v32k", (16384, 32768, 65536)
@@ -786,6 +800,11 @@ def render_tables(data: dict[str, Any]) -> str:
     if data["pertoken"]:
         idx = _index(data["pertoken"])
         parts += ["", '## Per-token path (reduction="none", random upstream gradient)', ""]
+        parts += [
+            "At 1 GiB (the op's default budget) hf_flce keeps the logits of mistral-7b and of the `-3k` shapes whole "
+            "from forward to backward; at llama3-8b and qwen3-0.6b it keeps what fits of them and recomputes the rest.",
+            "",
+        ]
         rows = []
         for r in data["pertoken"]:
             ms = _ok(r, "fwdbwd_ms")
@@ -909,6 +928,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list from {SECTIONS}")
     p.add_argument("--dists", default="flat,peaked")
     p.add_argument("--focus-shapes", help="shapes of the pertoken and masked sections")
+    p.add_argument(
+        "--pertoken-shapes",
+        help="shapes of the pertoken section (default: the focus shapes, whose logits the per-token path recomputes, "
+        "and on a GPU shapes whose logits it keeps whole)",
+    )
     p.add_argument("--memory-base", help="shape whose H and V the memory section uses (CPU: the whole shape)")
     p.add_argument("--memory-n", help="comma list of token counts for the memory section")
     p.add_argument("--reps", type=int, help="timed calls")
@@ -925,6 +949,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.sections = split(args.sections)
     args.dists = split(args.dists)
     args.focus_shapes = split(args.focus_shapes) if args.focus_shapes else list(defaults.focus)
+    args.pertoken_shapes = (
+        split(args.pertoken_shapes) if args.pertoken_shapes else [*args.focus_shapes, *defaults.kept_whole]
+    )
     args.memory_base = args.memory_base or defaults.memory_base
     args.memory_n = [int(n) for n in split(args.memory_n)] if args.memory_n else list(defaults.memory_n)
     if args.quick:
@@ -959,7 +986,7 @@ def main(argv: list[str] | None = None) -> int:
     if "main" in args.sections:
         bench.main(shapes)
     if "pertoken" in args.sections:
-        bench.pertoken(focus)
+        bench.pertoken([parse_shape(s) for s in args.pertoken_shapes])
     if "masked" in args.sections:
         bench.masked(focus)
     if "memory" in args.sections:

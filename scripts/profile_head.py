@@ -86,6 +86,9 @@ SHAPES = {
     "gemma2-2b": (8192, 2304, 256000),
     # the head of benchmark_training.py's gemma3-1b SFT step at 8192 tokens (a quarter masked): thin H, V = 2^18
     "gemma3-1b-sft": (6144, 1152, 262144),
+    # benchmark_kernel.py's per-token shapes whose logits fit the keep limit (mistral-7b's fit too)
+    "llama3-8b-3k": (3072, 4096, 128256),
+    "qwen3-0.6b-3k": (3072, 1024, 151936),
 }
 BUDGETS_MIB = (256, 512, 1024, 2048, 4096)
 

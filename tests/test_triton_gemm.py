@@ -526,26 +526,27 @@ def test_partly_kept_columns_with_a_frozen_head_every_row_ignored_and_a_second_b
     assert torch.count_nonzero(x.grad) == 0 and torch.count_nonzero(wg.grad) == 0
 
 
-@pytest.mark.parametrize(
+# (options, upstream gradients, whether E's row scales carry them): the loss's and the log-probs' upstream gradients
+# are a row factor of E (``u = g_loss - g_logprob``) unless a z-loss comes with the latter, or the entropy's is asked for
+ROW_SCALE_CASES = pytest.mark.parametrize(
     "names, upstream, scaled",
     [
         ((), "loss", True),
         ((), "logprob", True),
         (("z_loss",), "loss", True),
         (("softcap", "temperature"), "loss+logprob", True),
-        # no row scale of E: the kept columns are recomputed with the others
         (("z_loss",), "logprob", False),
         ((), "loss+logprob+entropy", False),
     ],
     ids=lambda c: "+".join(c) or "plain" if isinstance(c, tuple) else str(c),
 )
-@pytest.mark.parametrize("budget, sync", [(71680, False), (100_000, True)], ids=["no-host-wait", "count-read-first"])
-def test_per_token_bf16_keeps_leading_columns_as_e_with_row_scales(names, upstream, scaled, budget, sync, fused_calls):
-    """bf16 per-token logits past the keep limit keep their leading columns as the scalar loss's E (row scales, the
-    target column apart): backward takes those columns' dX and dW from E with no pass over it, for upstream gradients
-    of the loss and the log-probs (``u = g_loss - g_logprob``, no z-loss with the latter). Otherwise it recomputes
-    them with the others. Against float64: within the bf16 gradient's rounding (the fp16-e path reads 2.7-3.8e-3 on
-    these inputs), with targets on both sides of every tile edge and of the kept width."""
+
+
+def _per_token_bf16_grads(names, upstream, budget, fused_calls):
+    """dX and dW of a bf16 per-token objective (``upstream``: the summed outputs, each with its random per-row
+    coefficients) at 70 rows and 1000 classes, a quarter of the rows ignored, with targets on both sides of every tile
+    edge; with how many leading columns the forward kept (``_kept_columns``' answers), whether it read the kept count
+    first, how many times E's row scales took the upstream gradients, and the float64 reference's gradients."""
     hidden, weight, target, _, opts = build(names, n=70, v=1000, ignore_every=4)
     target[1:16:2] = torch.tensor([0, 255, 256, 511, 512, 767, 768, 999], device=target.device)
     x, w = (t.bfloat16().requires_grad_() for t in (hidden, weight))
@@ -571,13 +572,41 @@ def test_per_token_bf16_keeps_leading_columns_as_e_with_row_scales(names, upstre
             x, w, target, backend="triton", reduction="none", return_stats=True, memory_budget=budget, **opts
         )
         objective(loss, vars(stats)).backward()
-    assert kept_columns == [512 if budget == 71680 else 768] and compaction.called == sync
-    assert fused_calls["gradient"] == 0 and len(row_scaled) == int(scaled)
     ref_leaves = [t.detach().double().requires_grad_() for t in (x, w)]
     ref, ref_stats = hf_flce.reference_linear_cross_entropy(*ref_leaves, target, reduction="none", **opts)
     objective(ref, ref_stats).backward()
-    for name, ours, theirs in (("dX", x.grad, ref_leaves[0].grad), ("dW", w.grad, ref_leaves[1].grad)):
-        assert rel_err(ours, theirs) < 6e-3, name
+    recorded = dict(kept_columns=kept_columns, count_read_first=compaction.called, row_scaled=len(row_scaled))
+    return (x.grad, w.grad), (ref_leaves[0].grad, ref_leaves[1].grad), recorded
+
+
+@ROW_SCALE_CASES
+@pytest.mark.parametrize("budget, sync", [(71680, False), (100_000, True)], ids=["no-host-wait", "count-read-first"])
+def test_per_token_bf16_keeps_leading_columns_as_e_with_row_scales(names, upstream, scaled, budget, sync, fused_calls):
+    """bf16 per-token logits past the keep limit keep their leading columns as the scalar loss's E (row scales, the
+    target column apart): backward takes those columns' dX and dW from E with no pass over it, for upstream gradients
+    of the loss and the log-probs (``u = g_loss - g_logprob``, no z-loss with the latter). Otherwise it recomputes
+    them with the others. Against float64: within the bf16 gradient's rounding (the fp16-e path reads 2.7-3.8e-3 on
+    these inputs), with targets on both sides of every tile edge and of the kept width."""
+    ours, ref, recorded = _per_token_bf16_grads(names, upstream, budget, fused_calls)
+    assert recorded["kept_columns"] == [512 if budget == 71680 else 768] and recorded["count_read_first"] == sync
+    assert fused_calls["gradient"] == 0 and recorded["row_scaled"] == int(scaled)
+    for name, grad, ref_grad in zip(("dX", "dW"), ours, ref):
+        assert rel_err(grad, ref_grad) < 6e-3, name
+
+
+@ROW_SCALE_CASES
+def test_per_token_bf16_logits_kept_whole_as_e_with_row_scales(names, upstream, scaled, fused_calls):
+    """bf16 per-token logits within the keep limit are kept whole as the scalar loss's E with row scales: backward
+    is the scalar loss's (``s (E W) + c W[y]`` and ``E^T (s X)``, each row's target column ``c`` in float32), with no
+    pass over the logits and no GEMM recomputing them. Where ``u`` is no row scale of E, backward recomputes the
+    logits instead. Against float64: within the bf16 gradient's rounding, as the fp16 e it replaces
+    (``HF_FLCE_SCALED_GRAD=0``) reads 2.9-4.6e-3 on these inputs, and both read 2.0-2.7x the float64 gradients
+    rounded to bf16: at 53 kept rows the gradient's own rounding does not average out."""
+    ours, ref, recorded = _per_token_bf16_grads(names, upstream, 200_000, fused_calls)
+    assert recorded["kept_columns"] == [] and recorded["row_scaled"] == int(scaled)
+    assert fused_calls["gradient"] == 0 and fused_calls["recompute_gradient"] == (0 if scaled else 1)
+    for name, grad, ref_grad in zip(("dX", "dW"), ours, ref):
+        assert rel_err(grad, ref_grad) < 6e-3, name
 
 
 @pytest.mark.parametrize("optional_stats", [False, True], ids=["row-reference", "tile-max"])
