@@ -698,15 +698,15 @@ def _outputs(kept_stats: TileStats, plan: CallPlan, scatter) -> tuple[torch.Tens
 def _statistics_without_sync(
     x, w_c, bias, target, plan: CallPlan, fused, for_backward: bool = False, keep_columns: int | None = None
 ):
-    """A forward that keeps no logits, on the epilogue GEMM, whose host never waits before the GEMM's launch: the kept
-    rows are moved first on the device (a fixed-size gather) and the GEMM reads their count from device memory.
-    Prompt-masked rows still cost nothing but that gather. The targets' range is checked by one host read after the
-    launches (a ValueError, as everywhere), of a copy made right after the compaction: the call returns while the
-    GEMM runs. The outputs, and with ``for_backward`` (a per-token loss whose backward recomputes) the state that
-    backward needs, else None; with ``keep_columns``, that state keeps e for those leading columns (sized for every
-    row, since the kept count is not known before the GEMM). None where this does not apply: a call whose partial
-    statistics and gathered rows exceed the budget (it takes the chunked path), or one that may not sync at all (graph
-    capture, compilation)."""
+    """A forward on the epilogue GEMM whose host never waits before the GEMM's launch: the kept rows are moved first
+    on the device (a fixed-size gather) and the GEMM reads their count from device memory. Prompt-masked rows still
+    cost nothing but that gather. The targets' range is checked by one host read after the launches (a ValueError, as
+    everywhere), of a copy made right after the compaction: the call returns while the GEMM runs. The outputs, and
+    with ``for_backward`` (a per-token loss) the state that backward needs, else None; with ``keep_columns``, that
+    state keeps e (or E with row scales, ``_scaled_kept_columns``) for those leading columns, all of them where it is
+    the vocabulary's size, sized for every row, since the kept count is not known before the GEMM. None where this
+    does not apply: a call whose partial statistics and gathered rows exceed the budget (it takes the chunked path),
+    or one that may not sync at all (graph capture, compilation)."""
     n, vocab = x.shape[0], w_c.shape[0]
     if fused is None or n == 0 or not _can_compact(x.device):
         return None
@@ -728,7 +728,7 @@ def _statistics_without_sync(
         keep,
         compaction.summary,
         scaled=keep and _scaled_kept_columns(plan, fused, w_c, bias),
-        keep_columns=keep_columns if keep else None,
+        keep_columns=keep_columns if keep and keep_columns < vocab else None,
     )
     if plan.prob_weighted:
         stats.loss = stats.loss * torch.exp(stats.logprob)
@@ -752,18 +752,18 @@ def _forward(x, weight, bias, target, plan: CallPlan, needs_input_grad) -> tuple
     fused = _fused_head(plan, x, w_c, bias)
     eager = need_grad and plan.reduction == "scalar"
     # A per-token loss whose logits will not be kept recomputes them in backward: its forward is a no-grad one that
-    # also leaves the rows' lse and entropy, with no host wait before the GEMM. Whether the kept rows' logits fit is
-    # known only once the host has read their count, so that wait stays where they would fit with half the rows
-    # masked (prompt masking often is about that): a recompute costs a GEMM, more than the wait.
-    recompute = (
-        need_grad
-        and not eager
-        and not plan.prob_weighted
-        and fused is not None
-        and n * vocab * fused.bytes_per_logit(vocab, plan.params) > 2 * _keep_limit(plan, x.device)
-    )
-    if not need_grad or recompute:
-        keep_columns = _kept_columns(plan, fused, n, x, w_c, weight, (need_dx, need_dw)) if need_grad else None
+    # also leaves the rows' lse and entropy, with no host wait before the GEMM. One whose logits fit whole with every
+    # row counted keeps them so, with no host wait either. Whether the kept rows' logits fit is known only once the
+    # host has read their count, so that wait stays where they would fit with half the rows masked (prompt masking
+    # often is about that): a recompute costs a GEMM, more than the wait.
+    per_token = need_grad and not eager and not plan.prob_weighted and fused is not None
+    logits_bytes = n * vocab * fused.bytes_per_logit(vocab, plan.params) if per_token else 0
+    recompute = per_token and logits_bytes > 2 * _keep_limit(plan, x.device)
+    keep_whole = per_token and logits_bytes <= _keep_limit(plan, x.device)
+    if not need_grad or recompute or keep_whole:
+        keep_columns = vocab if keep_whole else None
+        if recompute:
+            keep_columns = _kept_columns(plan, fused, n, x, w_c, weight, (need_dx, need_dw))
         result = _statistics_without_sync(x, w_c, bias, target, plan, fused, need_grad, keep_columns)
         if result is not None:
             return result

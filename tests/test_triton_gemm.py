@@ -321,11 +321,12 @@ def test_per_token_forward_that_will_recompute_reads_nothing_before_the_gemm(col
     assert not compaction.called
 
 
-@pytest.mark.parametrize("share, path", [(0.6, "kept"), (0.45, "recompute")])
+@pytest.mark.parametrize("share, path", [(1.2, "kept_no_wait"), (0.6, "kept"), (0.45, "recompute")])
 def test_per_token_reads_the_count_first_where_half_masked_rows_would_fit(share, path, fused_calls):
-    """A budget of ``share`` times every row's kept logits: they pass it, and the 20 kept rows' (a third) fit it.
-    Within twice the budget the host reads the kept count before the GEMM and keeps their logits; past it the forward
-    does not wait, and backward recomputes."""
+    """A budget of ``share`` times every row's kept logits. Where they fit it the forward does not wait for the host
+    to read the kept count before the GEMM, and keeps the logits (fp16: e, and a pass in backward). Where they pass it,
+    the 20 kept rows' (a third) fit it: within twice the budget the host reads the kept count before the GEMM and
+    keeps their logits; past it the forward does not wait, and backward recomputes."""
     hidden, weight, target, bias, opts = build(("z_loss",), n=60, v=300)
     target[:36] = -100
     assert int((target != -100).sum()) == 20
@@ -335,8 +336,9 @@ def test_per_token_reads_the_count_first_where_half_masked_rows_would_fit(share,
         check(
             h, w, target, b, tol=TOL, grad_tol=GRAD_TOL, stat_grads=True, reduction="none", memory_budget=budget, **opts
         )
-    if path == "kept":
-        assert compaction.called and fused_calls["gradient"] == 1 and fused_calls["recompute_gradient"] == 0
+    if path.startswith("kept"):
+        assert compaction.called == (path == "kept")
+        assert fused_calls["gradient"] == 1 and fused_calls["recompute_gradient"] == 0
     else:
         assert not compaction.called and fused_calls["gradient"] == 0 and fused_calls["recompute_gradient"] >= 1
 
@@ -344,13 +346,13 @@ def test_per_token_reads_the_count_first_where_half_masked_rows_would_fit(share,
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="host synchronisations are a CUDA notion")
 @pytest.mark.parametrize(
     "grad, reduction, budget",
-    [(False, "mean", None), (True, "mean", None), (True, "none", 64 << 20)],
-    ids=["no-grad", "scalar-loss", "per-token-recompute"],
+    [(False, "mean", None), (True, "mean", None), (True, "none", 64 << 20), (True, "none", None)],
+    ids=["no-grad", "scalar-loss", "per-token-recompute", "per-token-kept-whole"],
 )
 def test_call_returns_while_the_head_gemm_runs(grad, reduction, budget):
-    """Neither a no-grad call nor the forward of a scalar loss or of a per-token loss that will recompute synchronises
-    the stream: the host reads the kept count and the targets' range from a copy made right after the compaction, and
-    returns with the GEMMs still running."""
+    """Neither a no-grad call nor the forward of a scalar loss or of a per-token loss that will recompute, or whose
+    logits fit whole (550 MB in the default 1 GiB), synchronises the stream: the host reads the kept count and the
+    targets' range from a copy made right after the compaction, and returns with the GEMMs still running."""
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     # ~3 ms of GEMM on an H100/H200 against ~50 us of host work after the read (at 1 ms the per-token case failed once
     # beside 13 other test processes); the per-token forward's partial statistics still fit its 64 MiB budget
@@ -542,12 +544,13 @@ ROW_SCALE_CASES = pytest.mark.parametrize(
 )
 
 
-def _per_token_bf16_grads(names, upstream, budget, fused_calls):
+def _per_token_bf16_grads(names, upstream, budget, fused_calls, ignore_every=4):
     """dX and dW of a bf16 per-token objective (``upstream``: the summed outputs, each with its random per-row
-    coefficients) at 70 rows and 1000 classes, a quarter of the rows ignored, with targets on both sides of every tile
-    edge; with how many leading columns the forward kept (``_kept_columns``' answers), whether it read the kept count
-    first, how many times E's row scales took the upstream gradients, and the float64 reference's gradients."""
-    hidden, weight, target, _, opts = build(names, n=70, v=1000, ignore_every=4)
+    coefficients) at 70 rows and 1000 classes, every ``ignore_every``-th row ignored, with targets on both sides of
+    every tile edge; with how many leading columns the forward kept (``_kept_columns``' answers), whether it read the
+    kept count first, how many times E's row scales took the upstream gradients, and the float64 reference's
+    gradients."""
+    hidden, weight, target, _, opts = build(names, n=70, v=1000, ignore_every=ignore_every)
     target[1:16:2] = torch.tensor([0, 255, 256, 511, 512, 767, 768, 999], device=target.device)
     x, w = (t.bfloat16().requires_grad_() for t in (hidden, weight))
     gen = torch.Generator().manual_seed(1)
@@ -595,15 +598,19 @@ def test_per_token_bf16_keeps_leading_columns_as_e_with_row_scales(names, upstre
 
 
 @ROW_SCALE_CASES
-def test_per_token_bf16_logits_kept_whole_as_e_with_row_scales(names, upstream, scaled, fused_calls):
+# 70 rows' logits fit 200 kB, the 35 kept rows' 120 kB: ~2.05 (GPU) to 2.77 (interpreter) bytes per logit
+@pytest.mark.parametrize("budget, sync", [(200_000, False), (120_000, True)], ids=["no-host-wait", "count-read-first"])
+def test_per_token_bf16_logits_kept_whole_as_e_with_row_scales(names, upstream, scaled, budget, sync, fused_calls):
     """bf16 per-token logits within the keep limit are kept whole as the scalar loss's E with row scales: backward
     is the scalar loss's (``s (E W) + c W[y]`` and ``E^T (s X)``, each row's target column ``c`` in float32), with no
     pass over the logits and no GEMM recomputing them. Where ``u`` is no row scale of E, backward recomputes the
-    logits instead. Against float64: within the bf16 gradient's rounding, as the fp16 e it replaces
-    (``HF_FLCE_SCALED_GRAD=0``) reads 2.9-4.6e-3 on these inputs, and both read 2.0-2.7x the float64 gradients
-    rounded to bf16: at 53 kept rows the gradient's own rounding does not average out."""
-    ours, ref, recorded = _per_token_bf16_grads(names, upstream, 200_000, fused_calls)
+    logits instead. Where every row's logits fit, the forward's GEMM does not wait for the host to read how many rows
+    are kept; where only the kept rows' do, it does. Against float64: within the bf16 gradient's rounding (3.0-4.5e-3
+    here, 2.0-2.7x the float64 gradients rounded to bf16: at 35 kept rows the gradient's own rounding does not average
+    out; the fp16 e it replaces, ``HF_FLCE_SCALED_GRAD=0``, read 2.9-4.6e-3 at 53 kept rows)."""
+    ours, ref, recorded = _per_token_bf16_grads(names, upstream, budget, fused_calls, ignore_every=2)
     assert recorded["kept_columns"] == [] and recorded["row_scaled"] == int(scaled)
+    assert recorded["count_read_first"] == sync
     assert fused_calls["gradient"] == 0 and fused_calls["recompute_gradient"] == (0 if scaled else 1)
     for name, grad, ref_grad in zip(("dX", "dW"), ours, ref):
         assert rel_err(grad, ref_grad) < 6e-3, name
