@@ -616,6 +616,18 @@ def test_per_token_bf16_logits_kept_whole_as_e_with_row_scales(names, upstream, 
         assert rel_err(grad, ref_grad) < 6e-3, name
 
 
+def test_per_token_bf16_logits_kept_whole_without_compaction(fused_calls):
+    """Under torch.compile or graph capture no row is dropped: logits kept whole as E hold the ignored rows too, whose
+    row scales and target terms are 0, so their dX rows are 0 and they add nothing to dW."""
+    with mock.patch.object(engine, "_can_compact", return_value=False):
+        ours, ref, recorded = _per_token_bf16_grads((), "loss+logprob", 200_000, fused_calls, ignore_every=2)
+    assert recorded["kept_columns"] == [] and recorded["row_scaled"] == 1
+    assert fused_calls["gradient"] == 0 and fused_calls["recompute_gradient"] == 0
+    assert not ours[0][::2].any()
+    for name, grad, ref_grad in zip(("dX", "dW"), ours, ref):
+        assert rel_err(grad, ref_grad) < 6e-3, name
+
+
 @pytest.mark.parametrize("optional_stats", [False, True], ids=["row-reference", "tile-max"])
 @pytest.mark.parametrize("names", [(), ("softcap", "temperature")], ids=lambda c: "+".join(c) or "plain")
 def test_scaled_forward_keeps_leading_columns(names, optional_stats):
