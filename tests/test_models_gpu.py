@@ -13,6 +13,7 @@ from test_patches import (
     CLASSES,
     DENSE_CLASSES,
     VISION_LANGUAGE,
+    _skip_without_router_logits,
     assert_autocast_error_like_stock,
     assert_same_training,
     image_batch,
@@ -38,6 +39,7 @@ def model_and_inputs(name: str, tie: bool) -> tuple[torch.nn.Module, dict[str, t
 @TIE
 @pytest.mark.parametrize("name", CLASSES + list(VISION_LANGUAGE))
 def test_models_train_as_stock_on_cuda(name, tie):
+    _skip_without_router_logits(name)
     stock, inputs = model_and_inputs(name, tie)
     stock = stock.cuda()
     patched = apply_flce(copy.deepcopy(stock), backend="triton")

@@ -223,6 +223,13 @@ def _forward(
         return CausalLMOutputWithPast(loss=loss, **fields)
     aux_loss = None
     if kwargs["output_router_logits"]:
+        if outputs.router_logits is None:
+            # transformers 5.17's GraniteMoe models: stock's forward fails on the same missing logits
+            raise RuntimeError(
+                f"{type(self).__name__}: the model returned no router logits for its aux loss (output_router_logits="
+                "True), which this transformers release does not collect for it; set output_router_logits=False or "
+                "upgrade transformers"
+            )
         aux_loss = state.aux_loss(outputs.router_logits, self.num_experts, self.num_experts_per_tok, attention_mask)
         loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
     return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, router_logits=outputs.router_logits, **fields)

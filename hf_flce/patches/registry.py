@@ -36,8 +36,10 @@ class Target:
 
 FAMILIES: dict[str, tuple[Target, ...]] = {
     # LLaVA's text model is any causal LM (Vicuna, i.e. Llama, in LLaVA-1.5); its loss is that model's
+    # Llama 4's text model routes its experts without an aux loss (its output carries the router logits)
     "llama": (
         Target("llama", "LlamaForCausalLM"),
+        Target("llama4_text", "Llama4ForCausalLM", package="llama4", stock_output=True),
         Target("llava", "LlavaForConditionalGeneration", vision_language=True),
     ),
     "qwen": (
@@ -94,7 +96,12 @@ FAMILIES: dict[str, tuple[Target, ...]] = {
     ),
     # These scale their logits: Granite divides them by ``config.logits_scaling``, Command R (Cohere) multiplies them
     # by ``config.logit_scale``; the fused forward passes the same scale to the op (``forward.op_transform``).
-    "granite": (Target("granite", "GraniteForCausalLM"),),
+    "granite": (
+        Target("granite", "GraniteForCausalLM"),
+        Target("granitemoe", "GraniteMoeForCausalLM", moe=True),
+        Target("granitemoeshared", "GraniteMoeSharedForCausalLM", moe=True),
+        Target("granitemoehybrid", "GraniteMoeHybridForCausalLM", moe=True),
+    ),
     "cohere": (Target("cohere", "CohereForCausalLM"), Target("cohere2", "Cohere2ForCausalLM")),
 }
 ALL_TARGETS: tuple[Target, ...] = tuple(t for targets in FAMILIES.values() for t in targets)
