@@ -120,8 +120,9 @@ def apply_flce(model: M | None = None, **options: Unpack[PatchKwargs]) -> M | No
 
 
 def apply_flce_to_llama(model: M | None = None, **options: Unpack[PatchKwargs]) -> M | None:
-    """Patch ``LlamaForCausalLM`` and the vision-language ``LlavaForConditionalGeneration`` (this instance, or the
-    classes when ``model`` is None). Options: :func:`apply_flce`.
+    """Patch ``LlamaForCausalLM``, Llama 4's text model ``Llama4ForCausalLM`` and the vision-language
+    ``LlavaForConditionalGeneration`` (this instance, or the classes when ``model`` is None). Options:
+    :func:`apply_flce`.
 
     Example:
         >>> import torch
