@@ -427,11 +427,13 @@ def test_recompute_past_the_budget_takes_column_chunks_where_rows_took_one_chunk
     assert fused_calls["recompute_gradient"] == 2
 
 
-@pytest.mark.parametrize("budget, recomputed, kept", [(1024, 3, 0), (40000, 2, 1)], ids=["recomputed", "256-kept"])
+@pytest.mark.parametrize(
+    "budget, recomputed, kept", [(1024, 3, 0), (40000, 2, 1), (400_000, 0, 1)], ids=["recomputed", "256-kept", "whole"]
+)
 def test_recompute_by_vocabulary_chunks_under_autocast(budget, recomputed, kept, fused_calls):
     """float32 inputs under bf16 autocast: the chunks' dW rows come back in float32, and dX too; the kept leading
     columns are bf16 E with row scales, as the recomputed chunks' gradient is bf16 (not float32, twice the kept
-    bytes), and their dW rows come from E in float32 too."""
+    bytes), and their dW rows come from E in float32 too; so do logits kept whole, with nothing recomputed."""
     hidden, weight, target, _, _ = build((), n=60, v=600)
     x, w = (t.clone().requires_grad_() for t in (hidden, weight))
     upstream = torch.randn(target.shape, generator=torch.Generator().manual_seed(3)).to(target.device)
