@@ -21,6 +21,9 @@ _LAZY = {
     "revert_flce": "hf_flce.patches",
     "FLCESFTTrainer": "hf_flce.trainers",
     "FLCEDPOTrainer": "hf_flce.trainers",
+    "FLCEKTOTrainer": "hf_flce.trainers",
+    "FLCEGRPOTrainer": "hf_flce.trainers",
+    "FLCERLOOTrainer": "hf_flce.trainers",
 }
 
 __all__ = [

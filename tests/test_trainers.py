@@ -18,17 +18,17 @@ import pytest
 import torch
 from test_patches import VISION_LANGUAGE, assert_same_gradients, image_batch, make_vision_language_model
 from transformers import TrainerCallback
-from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
+from trl import DPOConfig, DPOTrainer, GRPOTrainer, KTOTrainer, RLOOTrainer, SFTConfig, SFTTrainer
 from trl.trainer.utils import add_fused_lm_head
 
-from hf_flce import FLCEDPOTrainer, FLCESFTTrainer
+from hf_flce import FLCEDPOTrainer, FLCEGRPOTrainer, FLCEKTOTrainer, FLCERLOOTrainer, FLCESFTTrainer
 from hf_flce.data import build_tiny_model, build_tokenizer, load_toy_dataset
 from hf_flce.patches.late_head_grad import LateHeadGrad
 from hf_flce.trainers import add_flce_lm_head
 from hf_flce.trainers.compat import trl_problems
 
 RTOL, ATOL = 1e-5, 1e-6
-UNCOMPARED = ("runtime", "per_second", "epoch")
+UNCOMPARED = ("runtime", "per_second", "epoch", "step_time")
 TRAIN_ROWS = 48  # a few steps need few rows; tokenizing (and precomputing reference log-probs) costs per row
 ALL_DPO_LOSSES = [
     "sigmoid",
@@ -161,7 +161,29 @@ def test_trl_internals_we_rely_on_are_present():
     assert trl_problems() == []
 
 
-@pytest.mark.parametrize("ours, stock", [(FLCESFTTrainer, SFTTrainer), (FLCEDPOTrainer, DPOTrainer)])
+def test_trl_internals_check_names_a_trainer_that_stopped_using_the_fused_head():
+    import trl.trainer.grpo_trainer as trl_grpo
+
+    real = inspect.getsource
+
+    def source_without_the_head_call(obj):
+        text = real(obj)
+        return text.replace("fused_lm_head=True", "fused_lm_head=False") if obj is trl_grpo else text
+
+    with mock.patch("hf_flce.trainers.compat.inspect.getsource", source_without_the_head_call):
+        assert trl_problems() == ["trl.trainer.grpo_trainer no longer calls the model with fused_lm_head=True"]
+
+
+@pytest.mark.parametrize(
+    "ours, stock",
+    [
+        (FLCESFTTrainer, SFTTrainer),
+        (FLCEDPOTrainer, DPOTrainer),
+        (FLCEKTOTrainer, KTOTrainer),
+        (FLCEGRPOTrainer, GRPOTrainer),
+        (FLCERLOOTrainer, RLOOTrainer),
+    ],
+)
 def test_constructor_takes_everything_trl_does(ours, stock):
     trl_params = list(inspect.signature(stock.__init__).parameters)
     our_params = list(inspect.signature(ours.__init__).parameters)

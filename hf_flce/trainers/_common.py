@@ -1,5 +1,5 @@
-"""What the SFT and DPO subclasses share: TRL's constructor run with hf_flce's head in place of TRL's, and a
-constructor signature made of TRL's parameters plus hf_flce's keyword-only options."""
+"""What the trainer subclasses share: TRL's constructor run with hf_flce's head in place of TRL's, and a constructor
+signature made of TRL's parameters plus hf_flce's keyword-only options."""
 
 from __future__ import annotations
 
@@ -72,5 +72,10 @@ class FLCETrainerMixin:
         cls.__init__ = __init__
 
     def _fused_models(self):
+        """The models TRL's constructor gave a fused head: the policy (inside its PEFT wrapper) and, where the trainer
+        keeps a separate one, the reference model."""
         model = self.accelerator.unwrap_model(self.model)
         yield "policy model", (model.get_base_model() if is_peft_model(model) else model)
+        reference = getattr(self, "ref_model", None)
+        if reference is not None:
+            yield "reference model", self.accelerator.unwrap_model(reference)

@@ -2,9 +2,10 @@
 
 Relied on (TRL 1.16):
 
-* ``trl.trainer.sft_trainer.add_fused_lm_head`` and ``trl.trainer.dpo_trainer.add_fused_lm_head``: the module-level
-  names the trainers' constructors call as ``add_fused_lm_head(model, outputs=...)`` to patch the policy (and the
-  DPO reference); hf_flce's head stands in for them while the constructor runs.
+* ``add_fused_lm_head`` in ``trl.trainer.{sft,dpo,kto,grpo,rloo}_trainer``: the module-level name each trainer's
+  constructor calls as ``add_fused_lm_head(model, temperature=..., cast_lm_head_to_fp32=..., outputs=...)`` to patch
+  the policy (and the reference model); hf_flce's head stands in for it while the constructor runs. The DPO, KTO,
+  GRPO and RLOO trainers then call the model with ``fused_lm_head=True`` and read its per-token fields.
 * ``trl.trainer.utils.FusedCausalLMOutput`` (its fields).
 * ``SFTTrainer.compute_loss(model, inputs, return_outputs, num_items_in_batch)`` and the instance attributes it
   uses: ``_metrics``, ``_total_train_tokens``, ``_tp_size``, ``aux_loss_enabled``, ``router_aux_loss_coef``,
@@ -20,6 +21,8 @@ import inspect
 import warnings
 
 SUPPORTED_TRL = (">=1.16", "<1.17")
+# trainer modules whose fused head hf_flce replaces; all but SFT's read the head's per-token fields in their loss
+TRAINER_MODULES = ("sft_trainer", "dpo_trainer", "kto_trainer", "grpo_trainer", "rloo_trainer")
 FUSED_OUTPUT_FIELDS = {
     "loss",
     "log_probs",
@@ -42,8 +45,9 @@ SFT_INSTANCE_ATTRIBUTES = (
 
 def trl_problems() -> list[str]:
     """Every way the installed TRL differs from what the trainers rely on (empty when it is fine)."""
+    import importlib
+
     import trl
-    import trl.trainer.dpo_trainer as trl_dpo
     import trl.trainer.sft_trainer as trl_sft
     import trl.trainer.utils as trl_utils
     from packaging.specifiers import SpecifierSet
@@ -52,7 +56,8 @@ def trl_problems() -> list[str]:
     problems = []
     if trl.__version__ not in SpecifierSet(",".join(SUPPORTED_TRL)):
         problems.append(f"trl {trl.__version__} is outside the supported range {','.join(SUPPORTED_TRL)}")
-    for module in (trl_sft, trl_dpo):
+    for name in TRAINER_MODULES:
+        module = importlib.import_module(f"trl.trainer.{name}")
         head = getattr(module, "add_fused_lm_head", None)
         if head is None:
             problems.append(f"{module.__name__}.add_fused_lm_head is gone")
@@ -63,8 +68,11 @@ def trl_problems() -> list[str]:
             "outputs",
         ]:
             problems.append(f"{module.__name__}.add_fused_lm_head changed signature: {inspect.signature(head)}")
-        if "add_fused_lm_head(" not in inspect.getsource(module):
+        source = inspect.getsource(module)
+        if "add_fused_lm_head(" not in source:
             problems.append(f"{module.__name__} no longer calls add_fused_lm_head")
+        if module is not trl_sft and "fused_lm_head=True" not in source:
+            problems.append(f"{module.__name__} no longer calls the model with fused_lm_head=True")
     output_cls = getattr(trl_utils, "FusedCausalLMOutput", None)
     if output_cls is None:
         problems.append("trl.trainer.utils.FusedCausalLMOutput is gone")
@@ -83,9 +91,6 @@ def trl_problems() -> list[str]:
             problems.append(f"SFTConfig.{name} is gone")
     if not callable(getattr(Trainer, "get_tp_size", None)):
         problems.append("transformers.Trainer.get_tp_size is gone")
-    dpo_source = inspect.getsource(trl_dpo.DPOTrainer._compute_loss)
-    if "fused_lm_head=True" not in dpo_source:
-        problems.append("DPOTrainer._compute_loss no longer calls the model with fused_lm_head=True")
     return problems
 
 

@@ -42,8 +42,3 @@ class FLCEDPOTrainer(FLCETrainerMixin, DPOTrainer):
     _trl_module = trl_dpo
     _scalar_head_loss = False
     _tag_names = [*DPOTrainer._tag_names, "hf-flce"]
-
-    def _fused_models(self):
-        yield from super()._fused_models()
-        if self.ref_model is not None:
-            yield "reference model", self.accelerator.unwrap_model(self.ref_model)
