@@ -50,6 +50,7 @@ bench: venv
 	$(PY) scripts/benchmark_kernel.py --out outputs/bench
 	$(PY) scripts/benchmark_training.py --out outputs/bench
 	$(PY) scripts/benchmark_training.py --task dpo --out outputs/bench
+	$(PY) scripts/benchmark_training.py --task grpo --out outputs/bench
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache

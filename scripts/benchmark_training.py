@@ -27,6 +27,20 @@ the policy's per-token log-probabilities with gradients, the reference model's (
   trl    ``add_fused_lm_head`` on both models, the policy's with the fields ``DPOTrainer`` asks for (TRL's default)
   ours   ``hf_flce.trainers.add_flce_lm_head`` in the same places (what ``FLCEDPOTrainer`` does)
 
+``--task grpo`` times a GRPO step (TRL 1.16's ``GRPOTrainer`` loss on given completions, without generation): the
+sequences of ``--seq`` tokens (4096) are prompts (the first quarter, label -100) and completions, each sequence with
+a fixed random advantage; the policy's per-token log-probabilities with gradients and its entropies (the metric),
+TRL's default loss (``dapo``: ``-exp(logp - logp.detach()) * advantage`` summed over completion tokens and divided by
+their count; one iteration, so the ratio is 1 and nothing is clipped; ``beta`` 0, so no reference model), backward,
+optimizer step:
+  stock  full logits, TRL's ``selective_log_softmax`` and ``entropy_from_logits``
+  liger  ``liger_kernel.chunked_loss.LigerFusedLinearGRPOLoss`` (``loss_type="dapo"``, no reference) on the hidden
+         states
+  trl    ``add_fused_lm_head`` with the fields ``GRPOTrainer`` asks for (log-probs and entropy)
+  ours   ``hf_flce.trainers.add_flce_lm_head`` in the same place (what ``FLCEGRPOTrainer`` does)
+The first step's loss does not depend on the log-probabilities' values (the ratio is 1), so GRPO rows have no head
+error.
+
 Output under ``--out``: ``training.json``, ``training.md`` and ``training.png`` (``training_dpo.*`` for
 ``--task dpo``). ``--device cpu`` runs tiny configs as a smoke test.
 """
@@ -51,9 +65,13 @@ import bench_common as bc  # noqa: E402
 IGNORE = -100
 PROVIDERS = ("stock", "liger", "trl", "ours", "ours_lean", "ours_late")
 DPO_PROVIDERS = ("stock", "liger", "trl", "ours")
+GRPO_PROVIDERS = DPO_PROVIDERS
+TASK_PROVIDERS = {"sft": PROVIDERS, "dpo": DPO_PROVIDERS, "grpo": GRPO_PROVIDERS}
 DPO_BETA = 0.1
 # The per-token fields TRL 1.16's DPOTrainer asks of the policy's fused head (its reference asks for log_probs only).
 DPO_POLICY_OUTPUTS = ("log_probs", "entropy", "mean_logits", "is_top1")
+# ... and those GRPOTrainer asks of the policy's (the entropy for its metric and the optional entropy bonus).
+GRPO_POLICY_OUTPUTS = ("log_probs", "entropy")
 CUDA_ONLY = {"liger": "n/a: Liger's kernels need CUDA", "ours_lean": "n/a: the residual dW GEMM is a CUDA kernel"}
 
 _TINY = {
@@ -264,6 +282,51 @@ def patch_dpo(provider: str, policy, ref) -> Callable[[torch.Tensor, torch.Tenso
     return loss_fn
 
 
+def patch_grpo(provider: str, policy, advantages: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Patch ``policy`` for ``provider``; returns ``loss_fn(ids, labels)``, TRL's default GRPO loss (``dapo``, one
+    iteration, no KL) of completions with per-sequence ``advantages``, the policy's entropies computed as TRL logs
+    them."""
+    if provider == "liger":
+        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+        grpo = LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, loss_type="dapo")
+
+        def liger_loss(ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            hidden = policy.model(input_ids=ids).last_hidden_state[:, :-1]
+            target = labels[:, 1:]
+            mask = target != IGNORE
+            return grpo(hidden, policy.lm_head.weight, target.masked_fill(~mask, 0), mask, advantages)[0]
+
+        return liger_loss
+    if provider == "stock":
+        from trl.trainer.utils import entropy_from_logits, selective_log_softmax
+
+        def per_token(ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            logits = policy(input_ids=ids).logits[:, :-1]
+            with torch.no_grad():
+                entropy_from_logits(logits)
+            return selective_log_softmax(logits, labels[:, 1:].clamp(min=0))
+    elif provider in ("trl", "ours"):
+        if provider == "trl":
+            from trl.trainer.utils import add_fused_lm_head as add_head
+        else:
+            from hf_flce.trainers import add_flce_lm_head as add_head
+        add_head(policy, outputs=GRPO_POLICY_OUTPUTS)
+
+        def per_token(ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            return policy(input_ids=ids, labels=labels, fused_lm_head=True).log_probs
+    else:
+        raise ValueError(f"unknown GRPO provider {provider!r}")
+
+    def loss_fn(ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        mask = labels[:, 1:] != IGNORE
+        logps = per_token(ids, labels)
+        ratio = torch.exp(logps - logps.detach())
+        return (-ratio * advantages[:, None] * mask).sum() / mask.sum().clamp(min=1)
+
+    return loss_fn
+
+
 @torch.no_grad()
 def exact_first_loss(task: str, policy, ref, ids: torch.Tensor, labels: torch.Tensor) -> float:
     """The first step's loss with the head (``lm_head`` and log-softmax) in float64, on the bf16 backbone's hidden
@@ -295,9 +358,15 @@ def train_config(provider: str, name: str, tokens: int, args: argparse.Namespace
         ids, labels = make_preference_batch(vocab, tokens, args.seq, dev, args.seed)
     else:
         ids, labels = make_batch(vocab, tokens, args.seq, dev, args.seed)
-    exact_loss = exact_first_loss(args.task, model, ref, ids, labels)
-    dev.free()
-    loss_fn = patch_dpo(provider, model, ref) if args.task == "dpo" else patch(provider, model)
+    if args.task == "grpo":
+        gen = torch.Generator(device=dev.torch_device).manual_seed(args.seed + 2)
+        advantages = torch.randn(ids.shape[0], device=dev.torch_device, generator=gen)
+        exact_loss = None  # the first step's loss does not depend on the log-probs (ratio 1)
+        loss_fn = patch_grpo(provider, model, advantages)
+    else:
+        exact_loss = exact_first_loss(args.task, model, ref, ids, labels)
+        dev.free()
+        loss_fn = patch_dpo(provider, model, ref) if args.task == "dpo" else patch(provider, model)
     param_bytes = sum(p.nbytes for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True if dev.kind == "cuda" else None)
     losses: list[torch.Tensor] = []
@@ -364,10 +433,12 @@ def render_tables(data: dict[str, Any]) -> str:
     task = data["args"].get("task", "sft").upper()
     parts = [f"# Training-step benchmark, {task}: {data['env']['device_name']} ({data['env']['device']})", ""]
     parts.append("Versions: " + ", ".join(f"{k} {v}" for k, v in data["env"]["packages"].items() if v))
-    parts.append(
-        f"Cells: tokens/s · {mem_label}. Head error: first-step loss minus the same loss with the head in float64 on"
-        " the same bf16 hidden states."
+    head_error = (
+        "Head error: first-step loss minus the same loss with the head in float64 on the same bf16 hidden states."
+        if task != "GRPO"
+        else "No head error: at the first step the ratio is 1 and the loss does not depend on the log-probs."
     )
+    parts.append(f"Cells: tokens/s · {mem_label}. {head_error}")
     parts.append("")
     rows = []
     for model, tokens in dict.fromkeys((r["model"], r["tokens"]) for r in rows_in):
@@ -424,12 +495,13 @@ def finish(data: dict[str, Any], out: Path) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = bc.base_parser(__doc__, "training")
-    p.add_argument("--task", choices=("sft", "dpo"), default="sft", help="the step timed (default sft)")
+    p.add_argument("--task", choices=tuple(TASK_PROVIDERS), default="sft", help="the step timed (default sft)")
     p.add_argument("--models", help=f"comma list from {list(MODELS)}")
     p.add_argument("--tokens", help="comma list of tokens per step (default 8192,32768; CPU 256)")
     p.add_argument("--seq", type=int, help="sequence length (default 4096, CPU 128; dpo 2048, CPU 64)")
     p.add_argument(
-        "--providers", help=f"comma list (default: sft {','.join(PROVIDERS)}; dpo {','.join(DPO_PROVIDERS)})"
+        "--providers",
+        help="comma list (default: " + "; ".join(f"{t} {','.join(p)}" for t, p in TASK_PROVIDERS.items()) + ")",
     )
     p.add_argument("--steps", type=int, help="timed steps (default 5, quick 2); warm-up default 2, quick 1")
     p.add_argument("--timeout", type=float, default=None, help="seconds per provider process")
@@ -444,7 +516,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"unknown models {unknown}; choose from {list(MODELS)}")
     args.tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else defaults["tokens"]
     args.seq = args.seq or defaults["dpo_seq" if args.task == "dpo" else "seq"]
-    known = DPO_PROVIDERS if args.task == "dpo" else PROVIDERS
+    known = TASK_PROVIDERS[args.task]
     args.providers = [x for x in args.providers.split(",") if x] if args.providers else list(known)
     bad = [x for x in args.providers if x not in known]
     if bad:

@@ -185,6 +185,36 @@ def test_training_benchmark_dpo_step_smoke(tmp_path: Path) -> None:
         training.main([*argv[:-2], "--providers", "ours_lean", "--out", str(tmp_path)])
 
 
+def test_training_benchmark_grpo_step(tmp_path: Path) -> None:
+    training = _load("benchmark_training")
+    argv = ["--device", "cpu", "--task", "grpo", "--models", "tiny-qwen3", "--tokens", "128", "--seq", "32"]
+    argv += ["--steps", "1", "--warmup", "1", "--providers", "stock,liger,trl,ours", "--no-isolate", "--threads", "1"]
+    argv += ["--out", str(tmp_path)]
+    assert training.main(argv) == 0
+    rows = _by_provider(json.loads((tmp_path / "training_grpo.json").read_text())["results"])
+    assert rows["liger"]["status"].startswith("n/a")
+    for name in ("stock", "trl", "ours"):
+        assert rows[name]["status"] == "ok" and rows[name]["exact_loss"] is None, rows[name]
+    assert "No head error" in (tmp_path / "training_grpo.md").read_text()
+    # The step's loss at ratio 1 is minus the advantages' mean over completion tokens, whatever the head; its
+    # gradient is the head's: in float32 every provider's equals stock's.
+    dev = training.bc.Device("cpu")
+    grads = {}
+    for name in ("stock", "trl", "ours"):
+        model = training.make_model("tiny-qwen3", dev, torch.float32, 0)
+        ids, labels = training.make_batch(model.config.vocab_size, 128, 32, dev, 0)
+        advantages = torch.linspace(-1.0, 1.5, ids.shape[0])
+        loss = training.patch_grpo(name, model, advantages)(ids, labels)
+        mask = labels[:, 1:] != training.IGNORE
+        assert float(loss) == pytest.approx(float(-(advantages[:, None] * mask).sum() / mask.sum()), rel=1e-6)
+        loss.backward()
+        grads[name] = {k: v.grad for k, v in model.named_parameters()}
+    for name in ("trl", "ours"):
+        for key, expected in grads["stock"].items():
+            torch.testing.assert_close(grads[name][key], expected, rtol=1e-4, atol=1e-7, msg=f"{name} {key}")
+    assert grads["stock"]["model.embed_tokens.weight"].abs().sum() > 0  # tied to lm_head
+
+
 def test_preference_batch_shares_prompts() -> None:
     training = _load("benchmark_training")
     dev = training.bc.Device("cpu")
