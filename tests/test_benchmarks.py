@@ -145,14 +145,19 @@ def test_training_benchmark_cpu(tmp_path: Path) -> None:
     assert (tmp_path / "training.png").stat().st_size > 0
 
 
-def test_training_benchmark_dpo_step_smoke(tmp_path: Path) -> None:
-    training = _load("benchmark_training")
-    argv = ["--device", "cpu", "--task", "dpo", "--models", "tiny-qwen3", "--tokens", "128", "--seq", "32"]
-    argv += ["--steps", "1", "--warmup", "1", "--providers", "stock,trl,ours", "--no-isolate", "--threads", "1"]
+def _one_step_run(training, task: str, providers: str, tmp_path: Path) -> tuple[list[str], dict]:
+    """One timed step of ``task`` on tiny-qwen3 (128 tokens in sequences of 32) in this process: the argv and the
+    rows by provider."""
+    argv = ["--device", "cpu", "--task", task, "--models", "tiny-qwen3", "--tokens", "128", "--seq", "32"]
+    argv += ["--steps", "1", "--warmup", "1", "--providers", providers, "--no-isolate", "--threads", "1"]
     argv += ["--out", str(tmp_path)]
     assert training.main(argv) == 0
-    data = json.loads((tmp_path / "training_dpo.json").read_text())
-    rows = _by_provider(data["results"])
+    return argv, _by_provider(json.loads((tmp_path / f"training_{task}.json").read_text())["results"])
+
+
+def test_training_benchmark_dpo_step_smoke(tmp_path: Path) -> None:
+    training = _load("benchmark_training")
+    argv, rows = _one_step_run(training, "dpo", "stock,trl,ours", tmp_path)
     for name in ("stock", "trl", "ours"):
         assert rows[name]["status"] == "ok", rows[name]
         assert rows[name]["tokens_per_step"] == 128
@@ -187,11 +192,7 @@ def test_training_benchmark_dpo_step_smoke(tmp_path: Path) -> None:
 
 def test_training_benchmark_grpo_step(tmp_path: Path) -> None:
     training = _load("benchmark_training")
-    argv = ["--device", "cpu", "--task", "grpo", "--models", "tiny-qwen3", "--tokens", "128", "--seq", "32"]
-    argv += ["--steps", "1", "--warmup", "1", "--providers", "stock,liger,trl,ours", "--no-isolate", "--threads", "1"]
-    argv += ["--out", str(tmp_path)]
-    assert training.main(argv) == 0
-    rows = _by_provider(json.loads((tmp_path / "training_grpo.json").read_text())["results"])
+    _, rows = _one_step_run(training, "grpo", "stock,liger,trl,ours", tmp_path)
     assert rows["liger"]["status"].startswith("n/a")
     for name in ("stock", "trl", "ours"):
         assert rows[name]["status"] == "ok" and rows[name]["exact_loss"] is None, rows[name]
