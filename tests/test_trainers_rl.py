@@ -126,7 +126,7 @@ def test_grpo_peft_reference_is_the_base_model(tokenizer, tmp_path):
 
 
 def test_rloo(tokenizer, tmp_path):
-    logs, trainer = _compare_online(RLOO, RLOOConfig, tokenizer, tmp_path, model_path=True, beta=0.5)
+    _, trainer = _compare_online(RLOO, RLOOConfig, tokenizer, tmp_path, model_path=True, beta=0.5)
     assert head.has_flce_head(trainer.ref_model)
 
 
