@@ -1,8 +1,9 @@
-"""``hf-flce sft`` and ``hf-flce dpo``: ``trl sft`` and ``trl dpo`` with hf_flce's trainers.
+"""``hf-flce <command>``: ``trl <command>`` with hf_flce's trainer, for sft, dpo, kto, grpo and rloo.
 
-The arguments are TRL's: the parser is TRL's own (``ScriptArguments``, ``SFTConfig``/``DPOConfig``,
-``ModelConfig``, ``DatasetMixtureConfig``, ``--config`` YAML files), and bad arguments get TRL's errors, plus
-:class:`FLCEArguments`, the trainers' own options (``--flce_backend``, ``--flce_memory_budget``,
+The arguments are TRL's: the parser is TRL's own (the script's ``ScriptArguments``, its ``SFTConfig``, ``DPOConfig``,
+``KTOConfig``, ``GRPOConfig`` or ``RLOOConfig``, ``ModelConfig``, ``DatasetMixtureConfig``, ``--config`` YAML files;
+``grpo`` and ``rloo`` take TRL's ``--reward_funcs`` and ``--reward_model_name_or_path``), and bad arguments get TRL's
+errors, plus :class:`FLCEArguments`, the trainers' own options (``--flce_backend``, ``--flce_memory_budget``,
 ``--flce_defer_head_grad``; also keys of the YAML file). Like ``trl``, the ``hf-flce`` command launches the training
 through ``accelerate launch`` (arguments that the parser does not know, such as ``--num_processes`` or
 ``--accelerate_config``, go to accelerate). Each launched process runs ``python -m hf_flce.cli``, which trains
@@ -11,6 +12,7 @@ in-process; so does ``accelerate launch -m hf_flce.cli sft ...``.
 Example:
     hf-flce sft --model_name_or_path Qwen/Qwen2.5-0.5B --dataset_name trl-lib/Capybara --output_dir out
     hf-flce sft ... --flce_defer_head_grad --flce_memory_budget 536870912
+    hf-flce grpo --model_name_or_path Qwen/Qwen2.5-0.5B --dataset_name trl-lib/DeepMath-103K --reward_funcs accuracy_reward
     accelerate launch --num_processes 2 -m hf_flce.cli dpo --model_name_or_path ... --dataset_name ...
 """
 
@@ -23,7 +25,14 @@ from typing import Literal
 
 from .options import BACKENDS
 
-COMMANDS = ("sft", "dpo")
+COMMANDS = ("sft", "dpo", "kto", "grpo", "rloo")
+# TRL's reward functions that ``--reward_funcs`` names (as ``trl grpo`` does); any other name is a dotted import path.
+REWARD_FUNCTIONS = (
+    "accuracy_reward",
+    "reasoning_accuracy_reward",
+    "think_format_reward",
+    "get_soft_overlong_punishment",
+)
 # ``HF_FLCE_DEFER_HEAD_GRAD=1 hf-flce sft ...``: as ``--flce_defer_head_grad``
 DEFER_HEAD_GRAD_ENV = "HF_FLCE_DEFER_HEAD_GRAD"
 
@@ -55,11 +64,11 @@ class FLCEArguments:
 
 def make_parser(command: str, prog: str | None = None):
     """TRL's own parser for ``trl <command>`` (same dataclasses, same options), with :class:`FLCEArguments` last."""
-    import trl.scripts.dpo
-    import trl.scripts.sft
+    import importlib
+
     from trl import TrlParser
 
-    module = {"sft": trl.scripts.sft, "dpo": trl.scripts.dpo}[command]
+    module = importlib.import_module(f"trl.scripts.{command}")
     prog = prog or f"hf-flce {command}"
     return TrlParser((*module.make_parser(prog=prog).dataclass_types, FLCEArguments), prog=prog)
 
@@ -90,11 +99,45 @@ def _check_columns(command: str, dataset, training_args) -> None:
     if command == "sft":
         text = training_args.dataset_text_field
         accepted = [("messages",), ("conversations",), ("prompt", "completion"), (text,), ("input_ids",)]
-    else:
+    elif command == "dpo":
         accepted = [("chosen", "rejected")]
+    elif command == "kto":
+        accepted = [("prompt", "completion", "label"), ("chosen", "rejected")]
+    else:
+        accepted = [("prompt",)]
     if not any(set(names) <= set(columns) for names in accepted):
         wanted = " or ".join(" and ".join(repr(n) for n in names) for names in accepted)
         raise ValueError(f"hf-flce {command}: the training dataset has columns {columns}; it needs {wanted}")
+
+
+def reward_functions(script_args) -> list:
+    """``trl grpo``'s and ``trl rloo``'s rewards: the reward model's path, then each of ``--reward_funcs``, a name of
+    :data:`REWARD_FUNCTIONS` or a dotted import path (looked up from the working directory, as TRL does)."""
+    import importlib
+    import os
+
+    rewards = [script_args.reward_model_name_or_path] if script_args.reward_model_name_or_path else []
+    for name in script_args.reward_funcs or []:
+        if name in REWARD_FUNCTIONS:
+            import trl.rewards
+
+            reward = getattr(trl.rewards, name)
+            if name == "get_soft_overlong_punishment":  # a factory; TRL's scripts call it with these settings
+                reward = reward(max_completion_len=1280, soft_punish_cache=256)
+            rewards.append(reward)
+        elif "." in name:
+            module_name, attribute = name.rsplit(".", 1)
+            if os.getcwd() not in sys.path:
+                sys.path.insert(0, os.getcwd())
+            rewards.append(getattr(importlib.import_module(module_name), attribute))
+        else:
+            raise ValueError(
+                f"Could not load reward function {name!r}: expected one of {list(REWARD_FUNCTIONS)} or a dotted "
+                "import path (module.function)"
+            )
+    if not rewards:
+        raise ValueError("hf-flce: grpo and rloo need --reward_funcs or --reward_model_name_or_path")
+    return rewards
 
 
 def train(
@@ -110,17 +153,19 @@ def train(
     trainer_cls=None,
     **kwargs,
 ):
-    """What ``trl <command>`` does after parsing, with :class:`~hf_flce.FLCESFTTrainer` or
-    :class:`~hf_flce.FLCEDPOTrainer`: build the model arguments, load the dataset (unless ``dataset`` is given),
-    train, save, optionally push. ``flce_args`` go to hf_flce's trainer. ``model`` (an instance) replaces
+    """What ``trl <command>`` does after parsing, with hf_flce's trainer for the command
+    (:class:`~hf_flce.FLCESFTTrainer`, ``FLCEDPOTrainer``, ``FLCEKTOTrainer``, ``FLCEGRPOTrainer``,
+    ``FLCERLOOTrainer``): build the model arguments, load the dataset (unless ``dataset`` is given), gather the
+    rewards (``grpo``, ``rloo``), train, save, optionally push. ``flce_args`` go to hf_flce's trainer. ``model`` (an instance) replaces
     ``--model_name_or_path``, ``trainer_cls`` the trainer class (e.g. TRL's own, for comparisons, which takes no
     ``flce_args``); ``kwargs`` go to the trainer. Returns the trainer."""
     import transformers
     from packaging.version import Version
     from trl import get_peft_config, get_quantization_config
 
+    from . import trainers
     from .options import env_flag
-    from .trainers import FLCEDPOTrainer, FLCESFTTrainer
+    from .trainers._common import FLCETrainerMixin
 
     init_kwargs = dict(
         revision=model_args.model_revision,
@@ -135,14 +180,16 @@ def train(
     _check_columns(command, dataset[script_args.dataset_train_split], training_args)
     flce_options = (flce_args or FLCEArguments()).changed()
     if trainer_cls is None:
-        trainer_cls = FLCESFTTrainer if command == "sft" else FLCEDPOTrainer
-    if isinstance(trainer_cls, type) and issubclass(trainer_cls, (FLCESFTTrainer, FLCEDPOTrainer)):
+        trainer_cls = getattr(trainers, f"FLCE{command.upper()}Trainer")
+    if isinstance(trainer_cls, type) and issubclass(trainer_cls, FLCETrainerMixin):
         if env_flag(DEFER_HEAD_GRAD_ENV):
-            flce_options.setdefault("flce_defer_head_grad", True)  # the DPO trainer refuses it
+            flce_options.setdefault("flce_defer_head_grad", True)  # trainers with a per-token loss refuse it
         kwargs = {**flce_options, **kwargs}
     elif flce_options:
         names = ", ".join(f"--{name}" for name in flce_options)
         raise ValueError(f"{names}: options of hf_flce's trainers, which {trainer_cls.__name__} does not take")
+    if command in ("grpo", "rloo") and "reward_funcs" not in kwargs:
+        kwargs["reward_funcs"] = reward_functions(script_args)
     trainer = trainer_cls(
         model=model if model is not None else model_args.model_name_or_path,
         args=training_args,
@@ -216,7 +263,7 @@ def launch(argv: list[str]) -> int:
 
 def _split_command(argv: list[str]) -> tuple[str | None, list[str]]:
     parser = argparse.ArgumentParser(prog="hf-flce", description=__doc__.split("\n")[0], allow_abbrev=False)
-    sub = parser.add_subparsers(dest="command", metavar="{sft,dpo}")
+    sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
     for name in COMMANDS:
         sub.add_parser(name, help=f"run `trl {name}` with hf_flce's trainer", add_help=False)
     args, _ = parser.parse_known_args(argv[:1])

@@ -1,8 +1,10 @@
-"""``hf-flce sft`` / ``hf-flce dpo``: TRL's arguments and errors, hf_flce's trainers, launched like ``trl``."""
+"""``hf-flce sft|dpo|kto|grpo|rloo``: TRL's arguments and errors, hf_flce's trainers, launched like ``trl``."""
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import json
 import os
 import shutil
 import subprocess
@@ -10,13 +12,11 @@ import sys
 
 import pytest
 import trl
-import trl.scripts.dpo
-import trl.scripts.sft
 
 from hf_flce import cli
-from hf_flce.data import build_tiny_model, build_tokenizer, data_file, toy_training_defaults
+from hf_flce.data import build_tiny_model, build_tokenizer, data_file, toy, toy_training_defaults
 from hf_flce.data.toy import parse_example_args
-from hf_flce.trainers import FLCEDPOTrainer, FLCESFTTrainer
+from hf_flce.trainers import FLCEDPOTrainer, FLCEGRPOTrainer, FLCEKTOTrainer, FLCERLOOTrainer, FLCESFTTrainer
 
 TINY_RUN = ["--max_steps", "2", "--bf16", "false", "--report_to", "none", "--save_strategy", "no", "--use_cpu"]
 
@@ -32,6 +32,18 @@ def workdir(tmp_path_factory):
         (root / command).mkdir()
         rows = data_file(name).read_text().splitlines()[:40]
         (root / command / "train.jsonl").write_text("\n".join(rows) + "\n")
+    # unpaired preferences for KTO (a completion and whether it is desirable), prompts only for GRPO and RLOO
+    pairs = [json.loads(row) for row in data_file("preference").read_text().splitlines()[:20]]
+    unpaired = [
+        dict(prompt=p["prompt"], completion=p[key], label=key == "chosen")
+        for p in pairs
+        for key in p
+        if key != "prompt"
+    ]
+    prompts = [dict(prompt=p["prompt"]) for p in pairs]
+    for command, rows in (("kto", unpaired), ("grpo", prompts)):
+        (root / command).mkdir()
+        (root / command / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     return root
 
 
@@ -48,35 +60,37 @@ def _args(workdir, command, *extra):
     ]
 
 
-@pytest.mark.parametrize("command, trl_script", [("sft", trl.scripts.sft), ("dpo", trl.scripts.dpo)])
-def test_parser_is_trls_plus_the_flce_options(command, trl_script):
-    ours, theirs = cli.make_parser(command), trl_script.make_parser()
+@pytest.mark.parametrize("command", cli.COMMANDS)
+def test_parser_is_trls_plus_the_flce_options(command):
+    ours, theirs = cli.make_parser(command), importlib.import_module(f"trl.scripts.{command}").make_parser()
     assert ours.dataclass_types == [*theirs.dataclass_types, cli.FLCEArguments]
     flce = [["--flce_backend", "--flce-backend"], ["--flce_memory_budget", "--flce-memory-budget"]]
     flce.append(["--flce_defer_head_grad", "--flce-defer-head-grad"])
     assert sorted(a.option_strings for a in ours._actions) == sorted([a.option_strings for a in theirs._actions] + flce)
 
 
-@pytest.mark.parametrize("command", ["sft", "dpo"])
+@pytest.mark.parametrize("command", ["sft", "dpo", "grpo"])
 def test_toy_defaults_name_fields_of_the_installed_config(command):
     """Each of the examples' defaults is a field of the installed TRL config: one the parser lacks (transformers
     renamed ``gradient_checkpointing`` to ``activation_checkpointing``) would come back as an extra namespace."""
-    config_cls = trl.SFTConfig if command == "sft" else trl.DPOConfig
+    config_cls = {"sft": trl.SFTConfig, "dpo": trl.DPOConfig, "grpo": trl.GRPOConfig}[command]
     fields = {f.name for f in dataclasses.fields(config_cls)}
     defaults = toy_training_defaults(command)
     assert set(defaults) <= fields
     assert defaults.get("activation_checkpointing", defaults.get("gradient_checkpointing")) is False
     args = parse_example_args(command, ["--output_dir", "x"])
     assert args.embedded_model and args.embedded_data
-    assert args.training.gradient_checkpointing is False and args.training.max_length == 256
+    assert args.training.gradient_checkpointing is False
+    if command == "grpo":
+        assert args.script.reward_funcs == [toy.TOY_REWARD] and args.training.num_generations == 4
+    else:
+        assert args.training.max_length == 256
 
 
 def test_metrics_recorder_reports_the_median_interval_rate(monkeypatch):
     """tokens/s is the median of the logging intervals' rates after the first, so that the first step's compiles and a
     one-off slow step do not decide it; every step still counts in ``tokens_per_second_all``."""
     from types import SimpleNamespace
-
-    from hf_flce.data import toy
 
     clock = [0.0]
     monkeypatch.setattr(toy.time, "perf_counter", lambda: clock[0])
@@ -149,6 +163,95 @@ def test_dpo_runs_in_process(workdir, monkeypatch):
     (trainer,) = trainers
     assert trainer.loss_types == ["sigmoid", "sft"]
     assert trainer.ref_model is not None  # loaded from the model path, like TRL
+
+
+def test_kto_trains_with_our_trainer(workdir):
+    parsed = cli.make_parser("kto").parse_args_and_config(_args(workdir, "kto", "--flce_backend", "torch"))
+    trainer = cli.train("kto", *parsed)
+    assert isinstance(trainer, FLCEKTOTrainer) and trainer.flce_backend == "torch"
+    assert trainer.state.global_step == 2
+    assert trainer.ref_model is not None
+
+
+REWARDS_MODULE = """
+def completion_length(completions, **kwargs):
+    return [len(str(completion)) / 40.0 for completion in completions]
+"""
+ONLINE_RUN = ["--num_generations", "2", "--per_device_train_batch_size", "2", "--max_completion_length", "8"]
+
+
+@pytest.fixture
+def rewards_module(tmp_path, monkeypatch):
+    """A reward function in a module of the working directory, which ``--reward_funcs module.function`` imports."""
+    module = f"rewards_{tmp_path.name}"
+    (tmp_path / f"{module}.py").write_text(REWARDS_MODULE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    return module
+
+
+@pytest.mark.parametrize("command, trainer_cls", [("grpo", FLCEGRPOTrainer), ("rloo", FLCERLOOTrainer)])
+def test_online_trainers_train_with_our_trainer(workdir, rewards_module, command, trainer_cls):
+    """``hf-flce grpo|rloo`` take TRL's ``--reward_funcs``: a name of TRL's reward functions and a dotted path from the
+    working directory; both rewards are logged, and the completions come from the policy."""
+    rewards = ["--reward_funcs", "think_format_reward", f"{rewards_module}.completion_length"]
+    argv = _args(workdir, "grpo", *ONLINE_RUN, *rewards, "--logging_steps", "1")
+    trainer = cli.train(command, *cli.make_parser(command).parse_args_and_config(argv))
+    assert isinstance(trainer, trainer_cls) and trainer.state.global_step == 2
+    assert trainer.reward_funcs[0] is trl.rewards.think_format_reward
+    assert trainer.reward_funcs[1] is sys.modules[rewards_module].completion_length
+    logged = trainer.state.log_history[0]
+    assert logged["rewards/completion_length/mean"] > 0
+    assert "rewards/think_format_reward/mean" in logged
+
+
+def test_rewards_are_trls(workdir, rewards_module, monkeypatch):
+    """The rewards that ``trl grpo`` hands its trainer for the same arguments, captured from TRL's own script."""
+    captured = {}
+
+    class Captured(Exception):
+        pass
+
+    def capture(**kwargs):
+        captured.update(kwargs)
+        raise Captured
+
+    monkeypatch.setattr(trl, "GRPOTrainer", capture)
+    names = [
+        "accuracy_reward",
+        "think_format_reward",
+        "get_soft_overlong_punishment",
+        f"{rewards_module}.completion_length",
+    ]
+    argv = _args(workdir, "grpo", "--reward_model_name_or_path", str(workdir / "model"), "--reward_funcs", *names)
+    parsed = cli.make_parser("grpo").parse_args_and_config(argv)
+    with pytest.raises(Captured):
+        importlib.import_module("trl.scripts.grpo").main(*parsed[:4])
+    ours, theirs = cli.reward_functions(parsed[0]), captured["reward_funcs"]
+    assert [type(r) for r in ours] == [type(r) for r in theirs]
+    overlong = 3  # a new callable each time, equal by its settings
+    assert vars(ours[overlong]) == vars(theirs[overlong]) and vars(ours[overlong])
+    assert ours[:overlong] + ours[overlong + 1 :] == theirs[:overlong] + theirs[overlong + 1 :]
+
+
+@pytest.mark.parametrize(
+    "command, argv, match",
+    [
+        ("grpo", [], "grpo and rloo need --reward_funcs or --reward_model_name_or_path"),
+        ("rloo", ["--reward_funcs", "no_such_reward"], "Could not load reward function 'no_such_reward'"),
+        ("grpo", ["--dataset_name", "{sft}", "--reward_funcs", "think_format_reward"], "it needs 'prompt'"),
+        ("kto", ["--dataset_name", "{sft}"], "it needs 'prompt' and 'completion' and 'label' or 'chosen' and"),
+    ],
+    ids=["no-reward", "unknown-reward", "grpo-columns", "kto-columns"],
+)
+def test_online_and_kto_errors(workdir, command, argv, match):
+    argv = [a.format(sft=workdir / "sft") for a in argv]
+    extra = [] if command == "kto" else ONLINE_RUN
+    parsed = cli.make_parser(command).parse_args_and_config(
+        _args(workdir, command.replace("rloo", "grpo"), *extra, *argv)
+    )
+    with pytest.raises(ValueError, match=match):
+        cli.train(command, *parsed)
 
 
 @pytest.mark.parametrize(

@@ -247,13 +247,15 @@ def _capture(**kwargs):
     raise _Built(kwargs)
 
 
-@pytest.mark.parametrize("command", ["sft", "dpo"])
+@pytest.mark.parametrize("command", cli.COMMANDS)
 @pytest.mark.parametrize("asked", [False, True])
 def test_trust_remote_code_only_when_asked(cli_dir, command, asked):
     parser = cli.make_parser(command)
-    dataset = cli_dir / ("good" if command == "sft" else "dpo-good")
+    dataset = cli_dir / ("good" if command == "sft" else "dpo-good")  # prompt, chosen, rejected
     argv = ["--model_name_or_path", str(cli_dir / "model"), "--dataset_name", str(dataset)]
     argv += ["--output_dir", str(cli_dir / "out"), *TINY_RUN, *(["--trust_remote_code", "true"] if asked else [])]
+    if command in ("grpo", "rloo"):
+        argv += ["--reward_funcs", "think_format_reward"]
     parsed = parser.parse_args_and_config(argv)
     with pytest.raises(_Built) as info:
         cli.train(command, *parsed, trainer_cls=_capture)

@@ -150,7 +150,7 @@ def build_tiny_model(
 
 def toy_training_defaults(command: str) -> dict:
     """Training-argument defaults that make the tiny model learn the bundled data in about a minute on a CPU
-    (``command`` is ``"sft"`` or ``"dpo"``). Arguments given explicitly still win."""
+    (``command`` is ``"sft"``, ``"dpo"`` or ``"grpo"``). Arguments given explicitly still win."""
     import dataclasses
 
     import torch
@@ -179,4 +179,9 @@ def toy_training_defaults(command: str) -> dict:
         max_length=256,
     )
     defaults[checkpointing] = False  # small activations; recomputing them only costs time
+    if command == "grpo":
+        # four completions of each of four prompts per step; no evaluation (it would generate too)
+        del defaults["max_length"], defaults["eval_steps"]
+        defaults.update(max_steps=100, per_device_train_batch_size=16, num_generations=4, max_completion_length=24)
+        defaults.update(learning_rate=1e-2, logging_steps=10, eval_strategy="no")
     return defaults

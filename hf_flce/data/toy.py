@@ -1,4 +1,4 @@
-"""Helpers shared by ``examples/sft.py``, ``examples/dpo.py`` and ``examples/demo.py``: TRL's argument parser plus
+"""Helpers shared by ``examples/sft.py``, ``examples/dpo.py``, ``examples/grpo.py`` and ``examples/demo.py``: TRL's argument parser plus
 a few example options, the embedded tiny model and data, and a callback that records losses, throughput and peak
 memory."""
 
@@ -20,7 +20,24 @@ from transformers import TrainerCallback
 
 from . import build_tiny_model, build_tokenizer, load_toy_dataset, toy_training_defaults
 
-TOY_DATASETS = {"sft": "sft_chat", "dpo": "preference"}
+TOY_DATASETS = {"sft": "sft_chat", "dpo": "preference", "grpo": "sft_prompt_completion"}
+# The GRPO example's reward on the bundled prompts, as ``--reward_funcs`` names it.
+TOY_REWARD = "hf_flce.data.toy.reference_word_overlap"
+
+
+def reference_word_overlap(completions, solution, **kwargs) -> list[float]:
+    """The share of the reference answer's words (``solution``, the bundled answers) that each completion contains:
+    a reward in [0, 1] that a tiny model can raise, for the GRPO example."""
+
+    def text(value) -> str:
+        return value[-1]["content"] if isinstance(value, list) else str(value)
+
+    rewards = []
+    for completion, reference in zip(completions, solution, strict=True):
+        wanted = {word.strip(".,!?").lower() for word in text(reference).split()}
+        said = {word.strip(".,!?").lower() for word in text(completion).split()}
+        rewards.append(len(wanted & said) / max(len(wanted), 1))
+    return rewards
 
 
 @dataclass
@@ -57,6 +74,8 @@ def parse_example_args(command: str, argv: list[str] | None = None) -> ExampleAr
     embedded_model = not any(a.startswith("--model_name_or_path") for a in rest)
     if embedded_model:
         parser.set_defaults(**toy_training_defaults(command))
+    if command == "grpo":
+        parser.set_defaults(reward_funcs=[TOY_REWARD])  # its `solution` column is the bundled data's
     script, training, model, dataset, flce = parser.parse_args_and_config(rest)
     return ExampleArgs(
         script=script,
@@ -81,6 +100,8 @@ def toy_model_and_data(command: str, args: ExampleArgs):
         model = build_tiny_model(tokenizer, vocab_size=args.vocab_size, seed=args.training.seed)
     if args.embedded_data:
         dataset = load_toy_dataset(TOY_DATASETS[command], test_size=32)
+        if command == "grpo":  # prompts, with the bundled answers as the reward's reference
+            dataset = dataset.rename_column("completion", "solution")
     return model, tokenizer, dataset
 
 
@@ -161,6 +182,12 @@ def run_example(command: str, trainer_cls, stock_cls, argv: list[str] | None = N
     if command == "dpo" and model is not None and not args.model.use_peft:
         # A model instance has no path to load the reference from: give a frozen copy (PEFT disables the adapter).
         extra["ref_model"] = copy.deepcopy(model)
+    if command == "grpo" and model is not None and args.training.beta and not args.model.use_peft:
+        # GRPO's KL term loads its reference model from the policy's path: save the tiny model and train from there.
+        path = Path(args.training.output_dir) / "initial-model"
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        model, tokenizer = str(path), None
     train(
         command,
         args.script,
