@@ -47,13 +47,14 @@ def test_example_trains_two_steps(name, argv, tmp_path, monkeypatch):
 def test_grpo_example_raises_its_reward_as_trl_does(tmp_path, monkeypatch):
     """The default run (100 steps of 16 completions, ~4 s) takes the reference-overlap reward from ~0.01 to ~0.3;
     TRL's GRPOTrainer from the same seed logs the same rewards (the trainers differ only in how the head's log-probs
-    are computed, fp32 on a CPU)."""
+    are computed; fp32 on the CPU, where the sampled completions stay the same)."""
     monkeypatch.chdir(tmp_path)
     example = load_example("grpo")
-    ours = example.main(["--output_dir", "ours"])
+    cpu = ["--use_cpu", "--bf16", "false"]
+    ours = example.main(["--output_dir", "ours", *cpu])
     rewards = [log["reward"] for log in ours["logs"] if "reward" in log]
     assert len(rewards) == 10
     assert rewards[0] < 0.05 and min(rewards[-3:]) > 0.15
-    stock = example.main(["--output_dir", "stock", "--stock_trl"])
+    stock = example.main(["--output_dir", "stock", "--stock_trl", *cpu])
     assert stock["label"] == "GRPOTrainer"
     assert [log["reward"] for log in stock["logs"] if "reward" in log] == pytest.approx(rewards, rel=1e-4)
