@@ -156,9 +156,10 @@ def train(
     """What ``trl <command>`` does after parsing, with hf_flce's trainer for the command
     (:class:`~hf_flce.FLCESFTTrainer`, ``FLCEDPOTrainer``, ``FLCEKTOTrainer``, ``FLCEGRPOTrainer``,
     ``FLCERLOOTrainer``): build the model arguments, load the dataset (unless ``dataset`` is given), gather the
-    rewards (``grpo``, ``rloo``), train, save, optionally push. ``flce_args`` go to hf_flce's trainer. ``model`` (an instance) replaces
-    ``--model_name_or_path``, ``trainer_cls`` the trainer class (e.g. TRL's own, for comparisons, which takes no
-    ``flce_args``); ``kwargs`` go to the trainer. Returns the trainer."""
+    rewards (``grpo``, ``rloo``; unless ``reward_funcs`` is given), train, save, optionally push. ``flce_args`` go to
+    hf_flce's trainer. ``model`` (an instance) replaces ``--model_name_or_path``, ``trainer_cls`` the trainer class
+    (e.g. TRL's own, for comparisons, which takes no ``flce_args``); ``kwargs`` go to the trainer. Returns the
+    trainer."""
     import transformers
     from packaging.version import Version
     from trl import get_peft_config, get_quantization_config

@@ -87,6 +87,19 @@ def test_toy_defaults_name_fields_of_the_installed_config(command):
         assert args.training.max_length == 256
 
 
+def test_grpo_example_reward_only_for_the_bundled_prompts():
+    """The toy reward reads the bundled data's answers: it is the default only when no dataset is named, and a reward
+    named on the command line replaces it."""
+    assert parse_example_args("grpo", []).script.reward_funcs == [toy.TOY_REWARD]
+    assert parse_example_args("grpo", ["--dataset_name", "trl-lib/DeepMath-103K"]).script.reward_funcs is None
+    named = parse_example_args("grpo", ["--reward_funcs", "think_format_reward"])
+    assert named.script.reward_funcs == ["think_format_reward"]
+    assert toy.reference_word_overlap(
+        [[{"role": "assistant", "content": "Grass is green!"}], "no"],
+        [[{"role": "assistant", "content": "Grass is green."}]] * 2,
+    ) == [1.0, 0.0]
+
+
 def test_metrics_recorder_reports_the_median_interval_rate(monkeypatch):
     """tokens/s is the median of the logging intervals' rates after the first, so that the first step's compiles and a
     one-off slow step do not decide it; every step still counts in ``tokens_per_second_all``."""

@@ -1,6 +1,6 @@
-"""Helpers shared by ``examples/sft.py``, ``examples/dpo.py``, ``examples/grpo.py`` and ``examples/demo.py``: TRL's argument parser plus
-a few example options, the embedded tiny model and data, and a callback that records losses, throughput and peak
-memory."""
+"""Helpers shared by ``examples/sft.py``, ``examples/dpo.py``, ``examples/grpo.py`` and ``examples/demo.py``: TRL's
+argument parser plus a few example options, the embedded tiny model and data (with the GRPO example's reward), and a
+callback that records losses, throughput and peak memory."""
 
 from __future__ import annotations
 
@@ -74,9 +74,10 @@ def parse_example_args(command: str, argv: list[str] | None = None) -> ExampleAr
     embedded_model = not any(a.startswith("--model_name_or_path") for a in rest)
     if embedded_model:
         parser.set_defaults(**toy_training_defaults(command))
-    if command == "grpo":
-        parser.set_defaults(reward_funcs=[TOY_REWARD])  # its `solution` column is the bundled data's
     script, training, model, dataset, flce = parser.parse_args_and_config(rest)
+    embedded_data = not (script.dataset_name or dataset.datasets)
+    if command == "grpo" and embedded_data and not (script.reward_funcs or script.reward_model_name_or_path):
+        script.reward_funcs = [TOY_REWARD]  # it reads the bundled data's `solution` column
     return ExampleArgs(
         script=script,
         training=training,
@@ -87,7 +88,7 @@ def parse_example_args(command: str, argv: list[str] | None = None) -> ExampleAr
         metrics_json=opts.metrics_json,
         vocab_size=opts.vocab_size,
         embedded_model=embedded_model,
-        embedded_data=not (script.dataset_name or dataset.datasets),
+        embedded_data=embedded_data,
     )
 
 
