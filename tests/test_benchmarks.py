@@ -16,13 +16,18 @@ import torch.nn.functional as F
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
-def _load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"_bench_{name}", SCRIPTS / f"{name}.py")
+def load_file(path: Path, module_name: str) -> ModuleType:
+    """A script or example (not a package module) imported from its file as ``module_name``."""
+    spec = importlib.util.spec_from_file_location(module_name, path)
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
+
+
+def _load(name: str) -> ModuleType:
+    return load_file(SCRIPTS / f"{name}.py", f"_bench_{name}")
 
 
 def _by_provider(rows: list[dict], **match) -> dict[str, dict]:

@@ -3,20 +3,17 @@ default run raises its reward, with the same trajectory under TRL's own trainer.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
+from test_benchmarks import load_file
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 TWO_STEPS = ["--max_steps", "2", "--logging_steps", "1"]
 
 
 def load_example(name: str):
-    spec = importlib.util.spec_from_file_location(f"_example_{name}", EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_file(EXAMPLES / f"{name}.py", f"_example_{name}")
 
 
 @pytest.mark.parametrize(

@@ -542,12 +542,12 @@ def _head_gemm_kernel(
             elif SPLIT and (SEG == 0 or SEG == RAGGED and not PARTIAL_OUT):
                 # MODE 3 with FIXED_REF where E is stored (with PARTIAL_OUT the tiles past the kept columns take the
                 # whole-tile branch below: its sum alone, with no split of the tile): no statistic but sum e, and the
-                # halves' sums add. In two column halves, E
-                # stored from registers: with a softcap, dt/dz is a second tile of float32 registers beside e, and at
-                # 128x256 the whole-tile epilogue took 255 registers and spilled 34 (H200, Triton 3.6); a TMA store
-                # stages the tile in shared memory between CTA barriers, which were 35-39% of the warps' stalls
-                # (Nsight Compute). Against whole tiles with a TMA store: gemma2-2b 2.7% faster, llama3-8b 1.4%,
-                # qwen3-0.6b 0.2%, mistral-7b 0.9% slower (docs/PERF_NOTES.md v18).
+                # halves' sums add. In two column halves, E stored from registers: with a softcap, dt/dz is a second
+                # tile of float32 registers beside e, and at 128x256 the whole-tile epilogue took 255 registers and
+                # spilled 34 (H200, Triton 3.6); a TMA store stages the tile in shared memory between CTA barriers,
+                # which were 35-39% of the warps' stalls (Nsight Compute). Against whole tiles with a TMA store:
+                # gemma2-2b 2.7% faster, llama3-8b 1.4%, qwen3-0.6b 0.2%, mistral-7b 0.9% slower (docs/PERF_NOTES.md
+                # v18).
                 m = tl.load(ty_ptr + rows, mask=row_ok, other=float("inf")) + ref_offset
                 z_left, z_right = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
                 sum_e = tl.zeros((BM,), tl.float32)
