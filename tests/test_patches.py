@@ -73,6 +73,50 @@ LATENT_MOE = dict(
     qk_nope_head_dim=8,
     v_head_dim=8,
 )
+# DeepSeek-V4: routed experts in both layers (its default first layers hash tokens to experts, with no router
+# logits), its two compressed attentions at small rates
+DEEPSEEK_V4 = dict(
+    **MOE,
+    n_routed_experts=4,
+    n_shared_experts=1,
+    moe_intermediate_size=32,
+    head_dim=8,
+    q_lora_rank=16,
+    mlp_layer_types=["moe", "moe"],
+    layer_types=["compressed_sparse_attention", "heavily_compressed_attention"],
+    compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+    o_groups=2,
+    o_lora_rank=8,
+    index_n_heads=2,
+    index_head_dim=8,
+    index_topk=4,
+    sliding_window=4,
+    hc_mult=2,
+    num_nextn_predict_layers=0,
+)
+# Qwen4-Exp: a gated-delta-net layer and an attention layer with a token indexer ("full_attention", which 5.17 names
+# "qwen_sparse_attention" and 5.23 "indexed_attention"), small hyper-connections and n-gram embeddings
+QWEN4_EXP = dict(
+    shared_expert_intermediate_size=32,
+    head_dim=8,
+    linear_num_key_heads=2,
+    linear_num_value_heads=2,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    layer_types=["linear_attention", "full_attention"],
+    hc_count=2,
+    hc_lowrank=8,
+    ple_embed_dim=16,
+    heads_per_ngram=2,
+    ngram_vocab_size_base=256,
+    split_ngram_parts=2,
+    make_ngram_vocab_size_divisible_by=8,
+    indexer_n_heads=2,
+    indexer_kv_heads=1,
+    indexer_head_dim=8,
+    indexer_budget=8,
+    indexer_compress_ratio=2,
+)
 CONFIGS = {
     "LlamaForCausalLM": ("LlamaConfig", {}),
     "Qwen2ForCausalLM": ("Qwen2Config", {}),
@@ -143,12 +187,87 @@ CONFIGS = {
     ),
     "CohereForCausalLM": ("CohereConfig", dict(logit_scale=0.25)),
     "Cohere2ForCausalLM": ("Cohere2Config", dict(logit_scale=0.25)),
+    # Gemma 4 passes per-layer inputs of its own to its model
+    "Gemma4ForCausalLM": (
+        "Gemma4TextConfig",
+        dict(
+            head_dim=8,
+            global_head_dim=8,
+            final_logit_softcapping=2.0,
+            vocab_size_per_layer_input=VOCAB,
+            hidden_size_per_layer_input=8,
+        ),
+    ),
+    "Qwen4ExpForCausalLM": ("Qwen4ExpTextConfig", dict(**QWEN_MOE, **QWEN4_EXP)),
+    "OlmoHybridForCausalLM": ("OlmoHybridConfig", dict(head_dim=8)),
+    "FlexOlmoForCausalLM": ("FlexOlmoConfig", dict(**MOE, num_experts=4)),
+    "GlmMoeDsaForCausalLM": ("GlmMoeDsaConfig", LATENT_MOE),
+    "DeepseekV32ForCausalLM": ("DeepseekV32Config", LATENT_MOE),
+    "DeepseekV4ForCausalLM": ("DeepseekV4Config", DEEPSEEK_V4),
+    "KimiLinearForCausalLM": (
+        "KimiLinearConfig",
+        dict(**LATENT_MOE, layer_types=["linear_attention", "full_attention"], linear_head_dim=8, linear_num_heads=2),
+    ),
+    "MiniMaxForCausalLM": (
+        "MiniMaxConfig",
+        dict(**MOE, num_local_experts=4, head_dim=8, layer_types=["linear_attention", "full_attention"]),
+    ),
+    "MiniMaxM2ForCausalLM": ("MiniMaxM2Config", dict(**MOE, num_local_experts=4, head_dim=8)),
+    "Ernie4_5ForCausalLM": ("Ernie4_5Config", dict(head_dim=8)),
+    "Ernie4_5_MoeForCausalLM": (
+        "Ernie4_5_MoeConfig",
+        dict(**MOE, moe_num_experts=4, moe_intermediate_size=32, moe_layer_start_index=0, head_dim=8),
+    ),
+    "HunYuanDenseV1ForCausalLM": ("HunYuanDenseV1Config", dict(head_dim=8)),
+    "HunYuanMoEV1ForCausalLM": ("HunYuanMoEV1Config", dict(num_experts=4, moe_topk=2, head_dim=8)),
+    "Exaone4ForCausalLM": ("Exaone4Config", dict(head_dim=8)),
+    "ExaoneMoeForCausalLM": ("ExaoneMoeConfig", dict(**GROUPED_ROUTING, head_dim=8)),
+    # a short convolution layer and an attention layer
+    "Lfm2ForCausalLM": ("Lfm2Config", dict(layer_types=["conv", "full_attention"])),
+    "Lfm2MoeForCausalLM": (
+        "Lfm2MoeConfig",
+        dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            num_dense_layers=1,
+            layer_types=["conv", "full_attention"],
+        ),
+    ),
+    "Lfm3ForCausalLM": ("Lfm3Config", dict(head_dim=8, layer_types=["conv", "full_attention"])),
+    "MiMoV2FlashForCausalLM": ("MiMoV2FlashConfig", dict(**GROUPED_ROUTING, head_dim=8)),
+    "Dots1ForCausalLM": ("Dots1Config", dict(**GROUPED_ROUTING, head_dim=8)),
+    "SolarOpenForCausalLM": ("SolarOpenConfig", dict(**GROUPED_ROUTING, head_dim=8)),
+    # one Mamba layer and one attention layer, both with experts
+    "JambaForCausalLM": (
+        "JambaConfig",
+        dict(
+            **MOE,
+            num_experts=4,
+            attn_layer_period=2,
+            attn_layer_offset=1,
+            expert_layer_period=1,
+            expert_layer_offset=0,
+            use_mamba_kernels=False,
+            mamba_d_state=8,
+            mamba_dt_rank=4,
+        ),
+    ),
+    # Seed-OSS's configs default to dropout, which would make the two models' draws differ
+    "SeedOssForCausalLM": ("SeedOssConfig", dict(head_dim=8, attention_dropout=0.0, residual_dropout=0.0)),
+    "Starcoder2ForCausalLM": ("Starcoder2Config", {}),
+    "ApertusForCausalLM": ("ApertusConfig", dict(head_dim=8)),
+    "ArceeForCausalLM": ("ArceeConfig", dict(head_dim=8)),
 }
 CLASSES = list(CONFIGS)
 MOE_CLASSES = [name for name in CLASSES if "output_router_logits" in CONFIGS[name][1]]
 
 
 def make_model(name: str, tie: bool = False, **overrides) -> torch.nn.Module:
+    if not hasattr(transformers, name):
+        pytest.skip(f"transformers {transformers.__version__} has no {name}")
+    if tie and not getattr(transformers, name)._tied_weights_keys:
+        pytest.skip(f"{name} does not tie its output embedding to its input embedding")
     config_name, extra = CONFIGS[name]
     config = getattr(transformers, config_name)(**{**BASE, **extra, "tie_word_embeddings": tie, **overrides})
     torch.manual_seed(0)
@@ -558,6 +677,15 @@ def test_gemma_family_class_patch_and_softcap():
 IMAGE_TOKEN = 150
 QWEN_VL_TEXT = dict(BASE, rope_parameters=dict(rope_type="default", mrope_section=[1, 1, 2], rope_theta=10000.0))
 QWEN_VL_VISION = dict(patch_size=4, spatial_merge_size=2, temporal_patch_size=2, in_channels=3, num_heads=2)
+QWEN3_VL_VISION = dict(
+    QWEN_VL_VISION,
+    depth=2,
+    hidden_size=16,
+    intermediate_size=32,
+    out_hidden_size=32,
+    num_position_embeddings=16,
+    deepstack_visual_indexes=[0],
+)
 QWEN_VL_TOKENS = dict(
     image_token_id=IMAGE_TOKEN, video_token_id=151, vision_start_token_id=152, vision_end_token_id=153
 )
@@ -596,13 +724,40 @@ VISION_LANGUAGE = {
     ),
     "Qwen3VLForConditionalGeneration": (
         "Qwen3VLConfig",
+        dict(text_config=dict(QWEN_VL_TEXT, head_dim=8), vision_config=QWEN3_VL_VISION, **QWEN_VL_TOKENS),
+    ),
+    # Qwen3.5 and Qwen4-Exp: the Qwen3-VL vision tower in front of their text models; the MoE ones add the aux loss
+    "Qwen3_5ForConditionalGeneration": (
+        "Qwen3_5Config",
+        dict(text_config=dict(QWEN_VL_TEXT, head_dim=8, **LINEAR_ATTENTION), vision_config=QWEN3_VL_VISION, **QWEN_VL_TOKENS),
+    ),
+    "Qwen3_5MoeForConditionalGeneration": (
+        "Qwen3_5MoeConfig",
         dict(
-            text_config=dict(QWEN_VL_TEXT, head_dim=8),
-            vision_config=dict(
-                QWEN_VL_VISION, depth=2, hidden_size=16, intermediate_size=32, out_hidden_size=32,
-                num_position_embeddings=16, deepstack_visual_indexes=[0],
-            ),
+            text_config=dict(QWEN_VL_TEXT, **QWEN_MOE, shared_expert_intermediate_size=32, head_dim=8, **LINEAR_ATTENTION),
+            vision_config=QWEN3_VL_VISION,
             **QWEN_VL_TOKENS,
+        ),
+    ),
+    "Qwen3VLMoeForConditionalGeneration": (
+        "Qwen3VLMoeConfig",
+        dict(text_config=dict(QWEN_VL_TEXT, **QWEN_MOE, head_dim=8), vision_config=QWEN3_VL_VISION, **QWEN_VL_TOKENS),
+    ),
+    "Qwen4ExpForConditionalGeneration": (
+        "Qwen4ExpConfig",
+        dict(text_config=dict(QWEN_VL_TEXT, **QWEN_MOE, **QWEN4_EXP), vision_config=QWEN3_VL_VISION, **QWEN_VL_TOKENS),
+    ),
+    # 16 patches of 4x4 pixels per image, pooled 2x2 into its 4 image tokens
+    "Gemma4ForConditionalGeneration": (
+        "Gemma4Config",
+        dict(
+            text_config=dict(BASE, **CONFIGS["Gemma4ForCausalLM"][1]),
+            vision_config=dict(
+                hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                head_dim=8, patch_size=4, pooling_kernel_size=2, position_embedding_size=64,
+            ),
+            image_token_id=IMAGE_TOKEN, video_token_id=151, boi_token_id=152, eoi_token_id=153, audio_token_id=154,
+            boa_token_id=155,
         ),
     ),
     "LlavaForConditionalGeneration": (
@@ -633,6 +788,12 @@ VISION_LANGUAGE = {
 }  # fmt: skip
 
 
+# without experts, as DENSE_CLASSES
+DENSE_VISION_LANGUAGE = [
+    name for name, (_, settings) in VISION_LANGUAGE.items() if "num_experts" not in settings["text_config"]
+]
+
+
 def make_vision_language_model(name: str, tie: bool = True) -> torch.nn.Module:
     config_name, settings = VISION_LANGUAGE[name]
     config = getattr(transformers, config_name)(**settings, tie_word_embeddings=tie)
@@ -652,6 +813,14 @@ def image_batch(name: str) -> dict[str, torch.Tensor]:
     labels[1, 11] = -100
     if name.startswith("Gemma3"):
         images = dict(pixel_values=torch.randn(2, 3, 16, 16, generator=gen), token_type_ids=(ids == IMAGE_TOKEN).long())
+    elif name.startswith("Gemma4"):
+        ids[:, 1], ids[:, 6] = 152, 153
+        grid = torch.stack(torch.meshgrid(torch.arange(4), torch.arange(4), indexing="ij"), -1).reshape(16, 2)
+        images = dict(
+            pixel_values=torch.randn(2, 16, 3 * 4 * 4, generator=gen),  # 16 flattened patches per image
+            image_position_ids=grid.expand(2, 16, 2).clone(),
+            mm_token_type_ids=(ids == IMAGE_TOKEN).int(),
+        )
     elif name.startswith("Llava"):
         images = dict(pixel_values=torch.randn(2, 3, 8, 8, generator=gen))
     elif name.startswith("Mistral3"):
@@ -679,8 +848,10 @@ def test_vision_language_loss_and_gradients_match_stock(name, variant, tie):
     stock_inputs = {k: v.contiguous() if k == "shift_labels" else v for k, v in inputs.items()}
     out, ref = assert_same_training(patched, stock, stock_inputs, **inputs)
     assert type(out) is type(ref)
-    if name.startswith("Gemma3"):
+    if name.startswith("Gemma"):
         torch.testing.assert_close(out.image_hidden_states, ref.image_hidden_states, rtol=0, atol=0)
+    if getattr(ref, "aux_loss", None) is not None:
+        torch.testing.assert_close(out.aux_loss, ref.aux_loss, rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("name", list(VISION_LANGUAGE))
@@ -821,7 +992,8 @@ def test_bf16_autocast(defer):
 DENSE_CLASSES = [
     name
     for name in CLASSES
-    if name not in MOE_CLASSES and not {"n_routed_experts", "num_local_experts"} & CONFIGS[name][1].keys()
+    if name not in MOE_CLASSES
+    and not {"n_routed_experts", "num_local_experts", "num_experts"} & CONFIGS[name][1].keys()
 ]
 
 

@@ -234,7 +234,8 @@ def test_head_matches_trl_contract(tokenizer, config, shifted):
 @pytest.mark.parametrize("name", list(VISION_LANGUAGE))
 def test_head_on_vision_language_models(name):
     """The trainers' head on the vision-language models the patchers take (their images passed to the backbone):
-    TRL's head's per-token fields, and the scalar NLL with every gradient as stock's loss has them."""
+    TRL's head's per-token fields, and the scalar NLL (plus an MoE model's aux loss) with every gradient as stock's loss
+    has them."""
     stock = make_vision_language_model(name, tie=False)
     trl_head, ours = copy.deepcopy(stock), copy.deepcopy(stock)
     fields = ("log_probs", "entropy", "is_top1")
@@ -246,8 +247,11 @@ def test_head_on_vision_language_models(name):
         out_ours = ours(**inputs, fused_lm_head=True)
     for field in (*fields, "label_mask", "loss"):
         torch.testing.assert_close(getattr(out_ours, field), getattr(out_trl, field), rtol=RTOL, atol=2e-6, msg=field)
-    stock(**inputs).loss.backward()
-    ours(**inputs, fused_lm_head=True, fused_loss_type="nll").token_loss.backward()
+    ref = stock(**inputs)
+    ref.loss.backward()
+    out = ours(**inputs, fused_lm_head=True, fused_loss_type="nll")
+    # an MoE model's loss adds the weighted load-balancing loss, as stock's does
+    (out.token_loss if getattr(ref, "aux_loss", None) is None else out.loss).backward()
     assert_same_gradients(
         {n: p.grad for n, p in ours.named_parameters() if p.grad is not None},
         {n: p.grad for n, p in stock.named_parameters() if p.grad is not None},

@@ -139,8 +139,11 @@ def apply_flce_to_llama(model: M | None = None, **options: Unpack[PatchKwargs]) 
 
 def apply_flce_to_qwen(model: M | None = None, **options: Unpack[PatchKwargs]) -> M | None:
     """Patch ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``Qwen2MoeForCausalLM``, ``Qwen3MoeForCausalLM``,
-    ``Qwen3NextForCausalLM``, ``Qwen3_5ForCausalLM``, ``Qwen3_5MoeForCausalLM`` and the vision-language
-    ``Qwen2VLForConditionalGeneration``, ``Qwen2_5_VLForConditionalGeneration`` and ``Qwen3VLForConditionalGeneration``.
+    ``Qwen3NextForCausalLM``, ``Qwen3_5ForCausalLM``, ``Qwen3_5MoeForCausalLM``, ``Qwen4ExpForCausalLM`` and the
+    vision-language ``Qwen2VLForConditionalGeneration``, ``Qwen2_5_VLForConditionalGeneration``,
+    ``Qwen3VLForConditionalGeneration``, ``Qwen3VLMoeForConditionalGeneration``, ``Qwen3_5ForConditionalGeneration``,
+    ``Qwen3_5MoeForConditionalGeneration`` (Qwen3.5's checkpoints) and ``Qwen4ExpForConditionalGeneration``. The MoE
+    ones add stock's weighted load-balancing loss when router logits are on.
 
     Patches this instance, or with no model those classes. Options: :func:`apply_flce`.
 
@@ -180,13 +183,15 @@ def apply_flce_to_mistral(model: M | None = None, **options: Unpack[PatchKwargs]
 
 
 def apply_flce_to_gemma(model: M | None = None, **options: Unpack[PatchKwargs]) -> M | None:
-    """Patch ``GemmaForCausalLM``, ``Gemma2ForCausalLM``, ``Gemma3ForCausalLM`` and the vision-language
-    ``Gemma3ForConditionalGeneration`` (Gemma 3 4B-27B) (this instance, or the classes).
+    """Patch ``GemmaForCausalLM``, ``Gemma2ForCausalLM``, ``Gemma3ForCausalLM``, ``Gemma4ForCausalLM`` and the
+    vision-language ``Gemma3ForConditionalGeneration`` (Gemma 3 4B-27B) and ``Gemma4ForConditionalGeneration``
+    (this instance, or the classes).
 
     The fused loss applies the config's ``final_logit_softcapping`` (``cap * tanh(logits / cap)``: 30 in Gemma 2's
-    configs; Gemma 3's leave it unset) as stock does, in float32 inside the op. ``Gemma3ForConditionalGeneration``
-    keeps its stock signature and passes ``pixel_values``, ``token_type_ids`` and the labels to its model as stock
-    does; the fused loss is its text model's. Options: :func:`apply_flce`.
+    configs; Gemma 3's leave it unset) as stock does, in float32 inside the op. The vision-language classes and
+    ``Gemma4ForCausalLM`` keep their stock signatures and pass their own inputs (``pixel_values``,
+    ``token_type_ids``, Gemma 4's ``per_layer_inputs``) and the labels to their models as stock does; the fused loss
+    is the text model's. Options: :func:`apply_flce`.
 
     Example:
         >>> import torch
@@ -273,7 +278,7 @@ def _apply(families: tuple[str, ...], model: M | None, options: PatchKwargs, cal
 
 
 def _fused_forward(target: Target):
-    if target.vision_language:
+    if target.from_stock_forward:
         return multimodal_forward(stock_forward(load_class(target)))
     return moe_causal_lm_forward if target.moe else causal_lm_forward
 

@@ -207,6 +207,10 @@ def _forward(
     late = LateHeadGrad.start(self.lm_head) if options.defer_head_grad else None  # before the layers' autograd nodes
     if state.output_class is not None and _body_takes_labels(type(self.model)):
         inputs["labels"] = labels  # as the stock vision-language forward passes them
+    if state.aux_loss is not None and kwargs.get("output_router_logits") is None and _takes(state.stock_forward):
+        # stock's default where its forward names the flag (5.17's vision-language MoE forwards read it from their
+        # kwargs only, so there it is off unless passed)
+        kwargs["output_router_logits"] = self.config.get_text_config().output_router_logits
     outputs = self.model(**inputs, **kwargs)
     hidden = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
     loss = _fused_loss(self, hidden, labels, options, kwargs, late)
@@ -216,23 +220,37 @@ def _forward(
         hidden_states=outputs.hidden_states,
         attentions=outputs.attentions,
     )
+    if state.aux_loss is not None:
+        aux_loss = _aux_loss(self, state, outputs, kwargs.get("output_router_logits"), attention_mask)
+        if aux_loss is not None:
+            loss = loss + _router_setting(self, "router_aux_loss_coef") * aux_loss.to(loss.device)
+        fields.update(aux_loss=aux_loss, router_logits=outputs.router_logits)
     if state.output_class is not None:
         extra = {f.name: getattr(outputs, f.name, None) for f in dataclasses.fields(state.output_class)}
         return state.output_class(**{**extra, "loss": loss, **fields})
-    if state.aux_loss is None:
-        return CausalLMOutputWithPast(loss=loss, **fields)
-    aux_loss = None
-    if kwargs["output_router_logits"]:
-        if outputs.router_logits is None:
-            # transformers 5.17's GraniteMoe models: stock's forward fails on the same missing logits
-            raise RuntimeError(
-                f"{type(self).__name__}: the model returned no router logits for its aux loss (output_router_logits="
-                "True), which this transformers release does not collect for it; set output_router_logits=False or "
-                "upgrade transformers"
-            )
-        aux_loss = state.aux_loss(outputs.router_logits, self.num_experts, self.num_experts_per_tok, attention_mask)
-        loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
-    return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, router_logits=outputs.router_logits, **fields)
+    output_class = CausalLMOutputWithPast if state.aux_loss is None else MoeCausalLMOutputWithPast
+    return output_class(loss=loss, **fields)
+
+
+def _router_setting(model: nn.Module, name: str):
+    """A router setting as the stock forward reads it: the model's attribute (text MoE classes), else its text
+    config's (vision-language MoE classes)."""
+    return getattr(model, name) if hasattr(model, name) else getattr(model.config.get_text_config(), name)
+
+
+def _aux_loss(model: nn.Module, state: PatchState, outputs, output_router_logits: bool | None, attention_mask):
+    """Stock's load-balancing loss (not divided by ``num_items_in_batch``), or None when router logits are off."""
+    if not output_router_logits:
+        return None
+    if outputs.router_logits is None:
+        # transformers 5.17's GraniteMoe models: stock's forward fails on the same missing logits
+        raise RuntimeError(
+            f"{type(model).__name__}: the model returned no router logits for its aux loss (output_router_logits="
+            "True), which this transformers release does not collect for it; set output_router_logits=False or "
+            "upgrade transformers"
+        )
+    experts, top_k = _router_setting(model, "num_experts"), _router_setting(model, "num_experts_per_tok")
+    return state.aux_loss(outputs.router_logits, experts, top_k, attention_mask)
 
 
 @can_return_tuple
@@ -272,8 +290,6 @@ def moe_causal_lm_forward(
 ) -> MoeCausalLMOutputWithPast:
     """MoE variant of :func:`causal_lm_forward`: adds ``router_aux_loss_coef * aux_loss`` as stock does (not divided
     by ``num_items_in_batch``) and returns ``aux_loss`` and ``router_logits``."""
-    if output_router_logits is None:
-        output_router_logits = self.config.output_router_logits
     return _forward(
         self, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, labels, use_cache, logits_to_keep,
         output_router_logits=output_router_logits, **kwargs,
@@ -283,6 +299,11 @@ def moe_causal_lm_forward(
 @functools.cache
 def _body_takes_labels(body_class: type) -> bool:
     return "labels" in inspect.signature(body_class.forward).parameters
+
+
+@functools.cache
+def _takes(stock: Callable, name: str = "output_router_logits") -> bool:
+    return name in inspect.signature(stock).parameters
 
 
 # the named arguments of the shared body (``_forward``) after ``self``; a vision-language forward's others go to its

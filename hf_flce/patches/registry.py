@@ -24,9 +24,17 @@ class Target:
     moe: bool = False
     package: str = ""  # the ``transformers.models`` folder, where it is not named after ``model_type``
     vision_language: bool = False  # a ``*ForConditionalGeneration`` whose loss is its text model's
+    # a causal LM whose stock forward takes inputs of its own for its model (Gemma 4's per-layer inputs): its fused
+    # forward is made from the stock one, as a vision-language class's is
+    own_inputs: bool = False
     # a dense forward that returns its stock output class, with the body's extra fields: MoE models that balance their
     # experts without an aux loss (DeepSeek-V3's ``MoeCausalLMOutputWithPast`` carries the router logits)
     stock_output: bool = False
+
+    @property
+    def from_stock_forward(self) -> bool:
+        """Whether the fused forward is made from the stock one (its signature, its other inputs, its output class)."""
+        return self.vision_language or self.own_inputs
 
     @property
     def module(self) -> str:
@@ -53,6 +61,12 @@ FAMILIES: dict[str, tuple[Target, ...]] = {
         Target("qwen2_vl", "Qwen2VLForConditionalGeneration", vision_language=True),
         Target("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", vision_language=True),
         Target("qwen3_vl", "Qwen3VLForConditionalGeneration", vision_language=True),
+        # Qwen3.5's checkpoints are vision-language models; the MoE ones add the aux loss from the text config
+        Target("qwen3_5", "Qwen3_5ForConditionalGeneration", vision_language=True),
+        Target("qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration", moe=True, vision_language=True),
+        Target("qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration", moe=True, vision_language=True),
+        Target("qwen4_exp_text", "Qwen4ExpForCausalLM", moe=True, package="qwen4_exp"),
+        Target("qwen4_exp", "Qwen4ExpForConditionalGeneration", moe=True, vision_language=True),
     ),
     "mistral": (
         Target("mistral", "MistralForCausalLM"),
@@ -69,6 +83,8 @@ FAMILIES: dict[str, tuple[Target, ...]] = {
         Target("gemma2", "Gemma2ForCausalLM"),
         Target("gemma3_text", "Gemma3ForCausalLM", package="gemma3"),
         Target("gemma3", "Gemma3ForConditionalGeneration", vision_language=True),
+        Target("gemma4_text", "Gemma4ForCausalLM", package="gemma4", own_inputs=True),
+        Target("gemma4", "Gemma4ForConditionalGeneration", vision_language=True),
     ),
     # Phi-3, Phi-3.5 and Phi-4 (``phi3``); Phi-1, 1.5 and 2, whose lm_head has a bias; Phi-3.5-MoE
     "phi": (
@@ -81,6 +97,8 @@ FAMILIES: dict[str, tuple[Target, ...]] = {
         Target("olmo2", "Olmo2ForCausalLM"),
         Target("olmo3", "Olmo3ForCausalLM"),
         Target("olmoe", "OlmoeForCausalLM", moe=True),
+        Target("olmo_hybrid", "OlmoHybridForCausalLM"),
+        Target("flex_olmo", "FlexOlmoForCausalLM", moe=True),
     ),
     "gpt_oss": (Target("gpt_oss", "GptOssForCausalLM", moe=True),),
     "smollm": (Target("smollm3", "SmolLM3ForCausalLM"),),
@@ -89,11 +107,41 @@ FAMILIES: dict[str, tuple[Target, ...]] = {
         Target("glm4", "Glm4ForCausalLM"),
         Target("glm4_moe", "Glm4MoeForCausalLM", stock_output=True),
         Target("glm4_moe_lite", "Glm4MoeLiteForCausalLM", stock_output=True),
+        Target("glm_moe_dsa", "GlmMoeDsaForCausalLM", stock_output=True),
     ),
     "deepseek": (
         Target("deepseek_v2", "DeepseekV2ForCausalLM", stock_output=True),
         Target("deepseek_v3", "DeepseekV3ForCausalLM", stock_output=True),
+        Target("deepseek_v32", "DeepseekV32ForCausalLM", stock_output=True),
+        Target("deepseek_v4", "DeepseekV4ForCausalLM", moe=True),
     ),
+    "kimi": (Target("kimi_linear", "KimiLinearForCausalLM", stock_output=True),),
+    "minimax": (
+        Target("minimax", "MiniMaxForCausalLM", moe=True),
+        Target("minimax_m2", "MiniMaxM2ForCausalLM", moe=True),
+    ),
+    "ernie": (Target("ernie4_5", "Ernie4_5ForCausalLM"), Target("ernie4_5_moe", "Ernie4_5_MoeForCausalLM", moe=True)),
+    "hunyuan": (
+        Target("hunyuan_v1_dense", "HunYuanDenseV1ForCausalLM"),
+        Target("hunyuan_v1_moe", "HunYuanMoEV1ForCausalLM", stock_output=True),
+    ),
+    "exaone": (
+        Target("exaone4", "Exaone4ForCausalLM"),
+        Target("exaone_moe", "ExaoneMoeForCausalLM", stock_output=True),
+    ),
+    "lfm": (
+        Target("lfm2", "Lfm2ForCausalLM"),
+        Target("lfm2_moe", "Lfm2MoeForCausalLM", stock_output=True),
+        Target("lfm3", "Lfm3ForCausalLM"),
+    ),
+    "mimo": (Target("mimo_v2_flash", "MiMoV2FlashForCausalLM", stock_output=True),),
+    "dots": (Target("dots1", "Dots1ForCausalLM", stock_output=True),),
+    "solar": (Target("solar_open", "SolarOpenForCausalLM", stock_output=True),),
+    "jamba": (Target("jamba", "JambaForCausalLM", moe=True),),
+    "seed_oss": (Target("seed_oss", "SeedOssForCausalLM"),),
+    "starcoder": (Target("starcoder2", "Starcoder2ForCausalLM"),),
+    "apertus": (Target("apertus", "ApertusForCausalLM"),),
+    "arcee": (Target("arcee", "ArceeForCausalLM"),),
     # These scale their logits: Granite divides them by ``config.logits_scaling``, Command R (Cohere) multiplies them
     # by ``config.logit_scale``; the fused forward passes the same scale to the op (``forward.op_transform``).
     "granite": (
@@ -119,8 +167,8 @@ def load_class(target: Target) -> type:
 
 
 def installed_classes(targets: tuple[Target, ...]) -> dict[type, Target]:
-    """The classes of ``targets`` that the installed transformers has. Every one is in the supported releases
-    (5.17-5.23); a release outside them may lack or drop a class, and the class patch then covers the rest."""
+    """The classes of ``targets`` that the installed transformers has. Of the supported releases (5.17-5.23), 5.17
+    lacks ``Lfm3ForCausalLM``; a release may lack or drop a class, and the class patch then covers the rest."""
     classes = {}
     for target in targets:
         try:
@@ -152,9 +200,10 @@ def stock_forward(cls: type) -> Callable:
 
 
 def output_class(target: Target) -> type | None:
-    """For a vision-language or ``stock_output`` target, the output class its stock forward returns (read off its return
-    annotation, ``tuple | <output class>``, which differs between classes and transformers versions)."""
-    if not (target.vision_language or target.stock_output):
+    """For a target whose forward is made from the stock one, or a ``stock_output`` one, the output class its stock
+    forward returns (read off its return annotation, ``tuple | <output class>``, which differs between classes and
+    transformers versions)."""
+    if not (target.from_stock_forward or target.stock_output):
         return None
     stock = stock_forward(load_class(target))
     annotation = typing.get_type_hints(stock).get("return")
