@@ -205,12 +205,13 @@ def _forward(
     if options is None:
         return state.stock_forward(self, **inputs, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
     late = LateHeadGrad.start(self.lm_head) if options.defer_head_grad else None  # before the layers' autograd nodes
-    if state.output_class is not None and _body_takes_labels(type(self.model)):
+    if state.output_class is not None and _takes(type(self.model).forward, "labels"):
         inputs["labels"] = labels  # as the stock vision-language forward passes them
-    if state.aux_loss is not None and kwargs.get("output_router_logits") is None and _takes(state.stock_forward):
+    router_flag = "output_router_logits"
+    if state.aux_loss is not None and kwargs.get(router_flag) is None and _takes(state.stock_forward, router_flag):
         # stock's default where its forward names the flag (5.17's vision-language MoE forwards read it from their
         # kwargs only, so there it is off unless passed)
-        kwargs["output_router_logits"] = self.config.get_text_config().output_router_logits
+        kwargs[router_flag] = self.config.get_text_config().output_router_logits
     outputs = self.model(**inputs, **kwargs)
     hidden = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
     loss = _fused_loss(self, hidden, labels, options, kwargs, late)
@@ -297,13 +298,9 @@ def moe_causal_lm_forward(
 
 
 @functools.cache
-def _body_takes_labels(body_class: type) -> bool:
-    return "labels" in inspect.signature(body_class.forward).parameters
-
-
-@functools.cache
-def _takes(stock: Callable, name: str = "output_router_logits") -> bool:
-    return name in inspect.signature(stock).parameters
+def _takes(function: Callable, name: str) -> bool:
+    """Whether ``function`` has a parameter called ``name``."""
+    return name in inspect.signature(function).parameters
 
 
 # the named arguments of the shared body (``_forward``) after ``self``; a vision-language forward's others go to its
