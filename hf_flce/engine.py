@@ -21,6 +21,7 @@ import torch
 
 from .backends import cdiv, cuda_properties
 from .backends.base import TileOps, TileParams, TileStats
+from .options import env_flag
 
 _HAS_MM_OUT_DTYPE = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 8)
 
@@ -94,7 +95,9 @@ def exact_mm_fp32(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor | None = N
 
 
 def dw_product(grad_logits: torch.Tensor, x: torch.Tensor, acc: torch.Tensor | None = None) -> torch.Tensor:
-    """``grad_logits^T x`` by ``exact_mm_fp32`` (summing chunk products in bf16 biases training)."""
+    """``grad_logits^T x`` in float32 by ``exact_mm_fp32``, added into ``acc`` when given. Summed across chunks in
+    bf16 with the target column in (Liger's way), dW's error grows with the chunks: 3.5e-3 at 8 against stock's 1.7e-3
+    (``scripts/dw_accumulation_error.py``); ``_dw_sum_in_weight_dtype`` says when a 16-bit sum is kept instead."""
     return exact_mm_fp32(grad_logits.t(), x, acc)
 
 
@@ -257,6 +260,20 @@ def _target_column_apart() -> bool:
     return os.environ.get("HF_FLCE_TARGET_APART", "1") != "0"
 
 
+def _dw_sum_in_weight_dtype(scaled: bool, weight: torch.Tensor) -> bool:
+    """Whether a scalar loss sums dW across its chunks in the 16-bit gradient itself (cuBLAS adding each chunk's
+    float32 product into it, rounding once per chunk) instead of a float32 ``[V, H]`` sum: ``4 V H`` bytes less (2 GiB
+    on llama3-8b's head) and half the sum's traffic (``docs/PERF_NOTES.md`` v46). That is done for a scaled gradient
+    (``_scaled_gradient``), whose target column stays out of the 16-bit sums and is added in float32 once per call
+    (``add_target_rows``): the sums then round only dW's softmax part. Against float64
+    (``scripts/dw_accumulation_error.py``, V = 8192), dW's error equals the float32 sum's at up to 32 chunks with
+    random targets, flat or peaked; with targets drawn from the softmax, as a trained model's, the softmax part
+    carries more of dW, and the error goes from the float32 sum's 1.7e-3 to 2.0e-3 at 4 chunks, 2.2e-3 at 8 and
+    3.2e-3 at 32, against stock's 2.9e-3 (a bf16 sum with the target column in, Liger's: 2.9e-3, 3.7e-3, 6.3e-3).
+    ``HF_FLCE_DW_FP32_SUM=1`` keeps the float32 sum."""
+    return scaled and weight.dtype.itemsize == 2 and not env_flag("HF_FLCE_DW_FP32_SUM")
+
+
 def _scaled_gradient(plan: CallPlan, fused, w_c: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether the epilogue path can carry a logits gradient as ``E`` and row scales (``triton_scaled``): bf16
     operands, no bias, no label smoothing, and on CUDA only where ``mm_fp32`` keeps ``E W`` in float32."""
@@ -265,6 +282,13 @@ def _scaled_gradient(plan: CallPlan, fused, w_c: torch.Tensor, bias: torch.Tenso
         and (_HAS_MM_OUT_DTYPE or w_c.device.type != "cuda")
         and fused.scaled_gradient_supports(w_c.dtype, bias, plan)
     )
+
+
+def _scaled_row_bytes(hidden: int, operand_bytes: int) -> int:
+    """Bytes per row that a scaled gradient's chunk holds next to its ``E``: the gathered rows of x in the GEMM's
+    dtype and ``E W`` in float32 for dX (``[rows, H]`` each; at llama3-8b's head 6% of ``E``'s). The budget covers
+    them, so that the call's memory beyond its gradients stays within it."""
+    return hidden * (operand_bytes + 4)
 
 
 def _scaled_kept_columns(plan: CallPlan, fused, w_c: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -353,9 +377,10 @@ class _SplitDWSum:
 
 
 class _GradBuffers:
-    """dX rows, dW (written once when there is a single chunk; across several, summed by ``residual``'s
-    ``ResidualDW`` when given, else in float32: ``_SplitDWSum`` for a 16-bit weight, the gradient itself for a
-    float32 one) and db for one gradient pass.
+    """dX rows, dW (written once when there is a single chunk; across several, summed in the 16-bit gradient itself
+    with ``dw_in_weight_dtype`` (``_dw_sum_in_weight_dtype``), by ``residual``'s ``ResidualDW`` when given, else in
+    float32: ``_SplitDWSum`` for a 16-bit weight, the gradient itself for a float32 one) and db for one gradient
+    pass.
     ``weight`` is the GEMM operand; the gradients come out in ``x_dtype`` and ``weight_dtype``. ``chunk_bytes``: what
     a chunk's buffers take, against which ``_SplitDWSum`` is weighed. With ``rows`` (the
     kept rows of a compacted batch of ``n_rows`` rows) each chunk's dX rows are scattered straight into the full
@@ -374,6 +399,7 @@ class _GradBuffers:
         rows=None,
         residual=None,
         chunk_bytes=0,
+        dw_in_weight_dtype=False,
     ):
         self.dx = None
         if need_dx:
@@ -384,9 +410,11 @@ class _GradBuffers:
         self.dw = None
         self.need_dw = need_dw
         self.residual = self.dw_sum = None
-        if need_dw and residual is not None and n_chunks > 1:
+        # the dtype dW is summed in across chunks
+        self.sum_dtype = weight_dtype if weight_dtype == torch.float32 or self.single or dw_in_weight_dtype else None
+        if need_dw and residual is not None and self.sum_dtype is None:
             self.residual = residual.ResidualDW(tuple(weight.shape), weight_dtype, weight.device, n_chunks)
-        elif need_dw and n_chunks > 1 and _SplitDWSum.lowers_the_peak(weight, weight_dtype, chunk_bytes):
+        elif need_dw and self.sum_dtype is None and _SplitDWSum.lowers_the_peak(weight, weight_dtype, chunk_bytes):
             self.dw_sum = _SplitDWSum(weight.shape[0])
         self.db = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_db else None
         self.weight = weight
@@ -418,12 +446,13 @@ class _GradBuffers:
     def _add_dw(self, grad_logits, x_chunk):
         if self.dw_sum is not None:
             self.dw_sum.add(grad_logits, x_chunk)
-        elif self.dw is None and (not self.single or self.weight_dtype == torch.float32):
-            self.dw = dw_product(grad_logits, x_chunk)  # the first chunk initialises the accumulator
-        elif self.single:
+        elif self.sum_dtype is None or self.sum_dtype == torch.float32:
+            # the first chunk initialises the float32 sum
+            self.dw = dw_product(grad_logits, x_chunk, self.dw)
+        elif self.dw is None:
             self.dw = grad_logits.t() @ x_chunk
         else:
-            dw_product(grad_logits, x_chunk, self.dw)
+            self.dw.addmm_(grad_logits.t(), x_chunk)
 
     def _add_scaled(self, start, end, grad, x_chunk):
         """A ``ScaledGradient`` (``backends/triton_scaled.py``): ``G = diag(s) E`` plus the target column, so
@@ -521,10 +550,11 @@ def _residual_dw(plan: CallPlan, x: torch.Tensor, weight: torch.Tensor):
     return residual if residual is not None and residual.supports(dtype, weight.dtype, weight.device) else None
 
 
-def _accumulator_bytes(residual, weight: torch.Tensor, need_dw: bool) -> int:
-    """Memory that summing dW across chunks takes: an int8 residual, or a float32 accumulator (for a float32 weight
-    that is the gradient itself; one chunk is still taken up to that size, which saves the accumulator's traffic)."""
-    if not need_dw:
+def _accumulator_bytes(residual, weight: torch.Tensor, need_dw: bool, in_weight_dtype: bool = False) -> int:
+    """Memory that summing dW across chunks takes: none in the gradient itself (``_dw_sum_in_weight_dtype``), an int8
+    residual, or a float32 accumulator (for a float32 weight that is the gradient itself; one chunk is still taken up
+    to that size, which saves the accumulator's traffic)."""
+    if not need_dw or in_weight_dtype:
         return 0
     return weight.numel() * (1 if residual is not None else 4)
 
@@ -771,12 +801,15 @@ def _forward(x, weight, bias, target, plan: CallPlan, needs_input_grad) -> tuple
     residual = _residual_dw(plan, x, weight) if eager else None
     # the gradient as E and row scales (no pass over the logits): not into an int8 residual
     scaled = eager and residual is None and _scaled_gradient(plan, fused, w_c, bias)
-    accumulator = _accumulator_bytes(residual, weight, eager and need_dw)
+    dw_in_weight_dtype = _dw_sum_in_weight_dtype(scaled, weight)
+    accumulator = _accumulator_bytes(residual, weight, eager and need_dw, dw_in_weight_dtype)
     logits_16bit = fused is None and _logits_16bit(plan, x, bias)
     if fused is not None:
         # without a gradient in forward only the partial statistics take memory; kept logits are one chunk
         per_logit = fused.bytes_per_logit(vocab, plan.params, keep=eager)
         kept_per_logit = fused.bytes_per_logit(vocab, plan.params)
+        if scaled:
+            per_logit += _scaled_row_bytes(x.shape[1], w_c.element_size()) / vocab
     else:
         per_logit = _bytes_per_logit(plan, (plan.compute_dtype or x.dtype) if eager else None, logits_16bit)
         kept_per_logit = 2 if logits_16bit else 4
@@ -834,7 +867,18 @@ def _forward(x, weight, bias, target, plan: CallPlan, needs_input_grad) -> tuple
     def new_grads() -> _GradBuffers:
         chunk_bytes = chunk * vocab * per_logit
         return _GradBuffers(
-            n, x.dtype, w_c, weight.dtype, n_chunks, need_dx, need_dw, need_db, rows, residual, chunk_bytes
+            n,
+            x.dtype,
+            w_c,
+            weight.dtype,
+            n_chunks,
+            need_dx,
+            need_dw,
+            need_db,
+            rows,
+            residual,
+            chunk_bytes,
+            dw_in_weight_dtype,
         )
 
     # Asked for after the first GEMM's launch: the denominator's few small launches then run under that GEMM

@@ -165,6 +165,19 @@ def with_residual_dw(fn: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
+def with_env(fn: Callable[..., Any], **env: str) -> Callable[..., Any]:
+    """``fn`` with the environment variables ``env`` set during each call: hf_flce reads its switches when a call
+    plans its work, and the backward that follows keeps that plan. ``with_env(fn, HF_FLCE_DW_FP32_SUM="1")`` is the
+    benchmarks' "ours_fp32_sum" provider."""
+    from unittest import mock
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with mock.patch.dict(os.environ, env):
+            return fn(*args, **kwargs)
+
+    return call
+
+
 def pick_device(requested: str | None) -> str:
     if requested:
         return requested

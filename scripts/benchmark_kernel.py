@@ -12,6 +12,8 @@ Providers (each missing one is reported as ``n/a`` with its import error; a fail
   torch_lce    ``torch.nn.functional.linear_cross_entropy`` with ``LinearCrossEntropyOptions()`` (chunked), if present
   ours         ``hf_flce.fused_linear_cross_entropy`` (backend ``triton`` on CUDA, ``torch`` on CPU, ``ascend`` on NPU)
   ours_lean    the same with dW summed in the bf16 gradient plus an int8 residual (``HF_FLCE_DW_RESIDUAL=1``; CUDA)
+  ours_fp32_sum  ``ours`` with dW summed across chunks in float32 (``HF_FLCE_DW_FP32_SUM=1``), the default before v46;
+               not in the default list
   ours_in_model  ``ours`` at the budget of a head inside a model (``hf_flce.options.in_model_budget``: half the op's
                default), what the patchers and trainers run; not in the default list, name it in ``--providers``
 
@@ -83,6 +85,7 @@ from bench_common import (  # noqa: E402
     run_worker,
     save_figure,
     setup_run,
+    with_env,
     with_residual_dw,
     write_json,
 )
@@ -274,6 +277,7 @@ PROVIDERS = {
     "torch_lce": ProviderSpec(_torch_lce, softcap=False),
     "ours": ProviderSpec(_ours),
     "ours_lean": ProviderSpec(lambda kind: with_residual_dw(_ours(kind)), devices=("cuda",)),
+    "ours_fp32_sum": ProviderSpec(lambda kind: with_env(_ours(kind), HF_FLCE_DW_FP32_SUM="1")),
     "ours_in_model": ProviderSpec(lambda kind: _ours(kind, in_model=True)),
 }
 

@@ -10,6 +10,8 @@ as prompt (label -100); ``model(input_ids, labels=labels).loss``, backward, opti
   ours   ``hf_flce.apply_flce(model)``
   ours_lean  the same with dW summed in the bf16 gradient plus an int8 residual (what ``HF_FLCE_DW_RESIDUAL=1`` does)
   ours_late  ``hf_flce.apply_flce(model, defer_head_grad=True)``: lm_head's dW at the end of the backward
+  ours_fp32_sum  ``ours`` with dW summed across chunks in float32 (``HF_FLCE_DW_FP32_SUM=1``), the default before
+         v46; not in the default list
 
 Each provider runs in its own fresh process (class-level patches cannot leak, and memory starts clean); inside it,
 every model and token count is built afresh from the same seed. Reported: tokens/s (tokens per step over the median
@@ -67,6 +69,8 @@ PROVIDERS = ("stock", "liger", "trl", "ours", "ours_lean", "ours_late")
 DPO_PROVIDERS = ("stock", "liger", "trl", "ours")
 GRPO_PROVIDERS = DPO_PROVIDERS
 TASK_PROVIDERS = {"sft": PROVIDERS, "dpo": DPO_PROVIDERS, "grpo": GRPO_PROVIDERS}
+# run only where named in --providers
+OPTIONAL_PROVIDERS = {"sft": ("ours_fp32_sum",)}
 DPO_BETA = 0.1
 # The per-token fields TRL 1.16's DPOTrainer asks of the policy's fused head (its reference asks for log_probs only).
 DPO_POLICY_OUTPUTS = ("log_probs", "entropy", "mean_logits", "is_top1")
@@ -221,13 +225,15 @@ def patch(provider: str, model) -> Callable[[torch.Tensor, torch.Tensor], torch.
         return lambda ids, labels: model(input_ids=ids, labels=labels, fused_lm_head=True).loss
     if provider == "liger":
         _apply_liger(model)
-    elif provider in ("ours", "ours_lean", "ours_late"):
+    elif provider in ("ours", "ours_lean", "ours_late", "ours_fp32_sum"):
         from hf_flce import apply_flce
 
         model = apply_flce(model, defer_head_grad=provider == "ours_late") or model
     elif provider != "stock":
         raise ValueError(f"unknown provider {provider!r}")
     loss_fn = lambda ids, labels: model(input_ids=ids, labels=labels).loss  # noqa: E731
+    if provider == "ours_fp32_sum":
+        return bc.with_env(loss_fn, HF_FLCE_DW_FP32_SUM="1")
     return bc.with_residual_dw(loss_fn) if provider == "ours_lean" else loss_fn
 
 
@@ -516,8 +522,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"unknown models {unknown}; choose from {list(MODELS)}")
     args.tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else defaults["tokens"]
     args.seq = args.seq or defaults["dpo_seq" if args.task == "dpo" else "seq"]
-    known = TASK_PROVIDERS[args.task]
-    args.providers = [x for x in args.providers.split(",") if x] if args.providers else list(known)
+    known = TASK_PROVIDERS[args.task] + OPTIONAL_PROVIDERS.get(args.task, ())
+    args.providers = [x for x in args.providers.split(",") if x] if args.providers else list(TASK_PROVIDERS[args.task])
     bad = [x for x in args.providers if x not in known]
     if bad:
         p.error(f"unknown providers {bad} for --task {args.task}; choose from {list(known)}")

@@ -129,20 +129,22 @@ def test_kernel_benchmark_one_section_without_plots(tmp_path: Path) -> None:
 def test_training_benchmark_cpu(tmp_path: Path) -> None:
     training = _load("benchmark_training")
     argv = ["--device", "cpu", "--models", "tiny-llama", "--tokens", "128", "--seq", "64", "--steps", "1"]
-    argv += ["--warmup", "1", "--providers", "stock,liger,ours,ours_late", "--no-isolate", "--threads", "1"]
-    argv += ["--out", str(tmp_path)]
+    argv += ["--warmup", "1", "--providers", "stock,liger,ours,ours_late,ours_fp32_sum", "--no-isolate"]
+    argv += ["--threads", "1", "--out", str(tmp_path)]
     assert training.main(argv) == 0
     data = json.loads((tmp_path / "training.json").read_text())
     rows = _by_provider(data["results"])
-    assert set(rows) == {"stock", "liger", "ours", "ours_late"}
+    assert set(rows) == {"stock", "liger", "ours", "ours_late", "ours_fp32_sum"}
     assert rows["liger"]["status"].startswith("n/a")
-    for name in ("stock", "ours", "ours_late"):
+    for name in ("stock", "ours", "ours_late", "ours_fp32_sum"):
         assert rows[name]["status"] == "ok", rows[name]
         assert rows[name]["tokens_per_s"] > 0 and rows[name]["tokens_per_step"] == 128
     # Same seed, same model, same batch: the first-step losses agree, and each is near the float64 head's; dW at the
     # end of the backward trains the same steps.
     assert abs(rows["ours"]["losses"][0] - rows["stock"]["losses"][0]) < 1e-2
     assert rows["ours_late"]["losses"] == pytest.approx(rows["ours"]["losses"], rel=1e-5)
+    # on CPU dW is summed in float32 either way (the 16-bit sum is the Hopper path's)
+    assert rows["ours_fp32_sum"]["losses"] == rows["ours"]["losses"]
     for name in ("stock", "ours"):
         assert abs(rows[name]["losses"][0] - rows[name]["exact_loss"]) < 1e-2
     assert rows["ours"]["exact_loss"] == rows["stock"]["exact_loss"]
