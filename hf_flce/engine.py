@@ -21,7 +21,7 @@ import torch
 
 from .backends import cdiv, cuda_properties
 from .backends.base import TileOps, TileParams, TileStats
-from .options import env_flag
+from .options import env_flag, env_int
 
 _HAS_MM_OUT_DTYPE = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 8)
 
@@ -270,7 +270,8 @@ def _dw_sum_in_weight_dtype(scaled: bool, weight: torch.Tensor) -> bool:
     random targets, flat or peaked; with targets drawn from the softmax, as a trained model's, the softmax part
     carries more of dW, and the error goes from the float32 sum's 1.7e-3 to 2.0e-3 at 4 chunks, 2.2e-3 at 8 and
     3.2e-3 at 32, against stock's 2.9e-3 (a bf16 sum with the target column in, Liger's: 2.9e-3, 3.7e-3, 6.3e-3).
-    ``HF_FLCE_DW_FP32_SUM=1`` keeps the float32 sum."""
+    From 8 chunks on the most frequent target classes' rows, which carry most of that, are summed in float32
+    (``_FrequentClassRows``: 2.0e-3 at 32 chunks). ``HF_FLCE_DW_FP32_SUM=1`` keeps the float32 sum."""
     return scaled and weight.dtype.itemsize == 2 and not env_flag("HF_FLCE_DW_FP32_SUM")
 
 
@@ -376,11 +377,60 @@ class _SplitDWSum:
         return out[: n + upper.numel()].view(self.vocab, -1)
 
 
+class _FrequentClassRows:
+    """The dW rows of a call's most frequent target classes, summed across chunks in float32 next to a 16-bit sum in
+    the gradient (``_dw_sum_in_weight_dtype``), their target terms added to them in float32 too, and written into the
+    gradient once. Where targets follow the softmax (a trained model's), a class that is often a target has a softmax
+    part of dW (``sum_i p_iv x_i``) that nearly cancels its target part (``-sum_{y_i = v} x_i``): rounding the running
+    softmax sum to 16 bits once per chunk then costs that row's small difference much. Those rows carry most of the
+    16-bit sum's error: on qwen3-0.6b's head (H100, ``scripts/dw_accumulation_error.py --op``, targets drawn from the
+    softmax) dW's error is 2.80e-3 at 20 chunks of 32768 rows and 4.48e-3 at 79, against stock's 2.57e-3 and the
+    float32 sum's 1.74e-3; with the 1024 most frequent classes in float32, 1.83e-3 and 2.05e-3. ``COUNT`` classes cost
+    ``4 COUNT H`` bytes (16 MiB at H = 4096) and, per chunk, a gather of their ``E`` columns and a
+    ``[COUNT, rows] x [rows, H]`` GEMM: 0.4-2.3% of a call's time at 9-19 chunks, 4.8% where 19 chunks of ~400 rows
+    leave the call bound by host time (``docs/PERF_NOTES.md`` v47)."""
+
+    COUNT = 1024
+    COUNT_ENV = "HF_FLCE_DW_FREQUENT_CLASSES"  # another count; 0 keeps every row in the 16-bit sum
+    # Below this many chunks the 16-bit sum's error stays within ~1.15x the float32 sum's (H100, qwen3-0.6b's head
+    # at 8192 rows: 1.88e-3 at 3 chunks, 1.94e-3 at 5, float32 sum 1.71e-3, stock 2.54e-3), and these rows cost 2-5%
+    # of such a call (the first form, taken from 2 chunks on).
+    MIN_CHUNKS = 8
+
+    @classmethod
+    def count(cls) -> int:
+        value = env_int(cls.COUNT_ENV)
+        return cls.COUNT if value is None else value
+
+    def __init__(self, target: torch.Tensor, kept_only: bool, vocab: int, ignore_index: int, hidden: int, count: int):
+        device = target.device
+        if not kept_only:
+            # ignored rows are counted in a slot past the vocabulary
+            target = torch.where((target >= 0) & (target < vocab) & (target != ignore_index), target, vocab)
+        counts = torch.zeros(vocab + 1, dtype=torch.int32, device=device)
+        counts.scatter_add_(0, target, torch.ones_like(target, dtype=torch.int32))
+        self.classes = counts[:vocab].topk(min(count, vocab), sorted=False).indices
+        self.slot = torch.full((vocab,), -1, dtype=torch.int32, device=device)
+        self.slot[self.classes] = torch.arange(self.classes.numel(), dtype=torch.int32, device=device)
+        self.rows = torch.zeros((self.classes.numel(), hidden), dtype=torch.float32, device=device)
+
+    def add(self, e: torch.Tensor, x_operand: torch.Tensor) -> None:
+        """Their rows of ``E^T (s X)``, in float32."""
+        mm_fp32(e.index_select(1, self.classes).t(), x_operand, self.rows)
+
+    def write(self, dw: torch.Tensor) -> None:
+        """Their rows of ``dw``, rounded once, after ``add_target_rows(..., hot=(slot, rows))`` has added their
+        target terms to ``rows``."""
+        dw.index_copy_(0, self.classes, self.rows.to(dw.dtype))
+        self.rows = None
+
+
 class _GradBuffers:
     """dX rows, dW (written once when there is a single chunk; across several, summed in the 16-bit gradient itself
     with ``dw_in_weight_dtype`` (``_dw_sum_in_weight_dtype``), by ``residual``'s ``ResidualDW`` when given, else in
     float32: ``_SplitDWSum`` for a 16-bit weight, the gradient itself for a float32 one) and db for one gradient
-    pass.
+    pass. ``scaled_target``: a scaled gradient's targets (per kept row), whose most frequent classes' dW rows are
+    summed in float32 where dW is 16-bit (``_FrequentClassRows``).
     ``weight`` is the GEMM operand; the gradients come out in ``x_dtype`` and ``weight_dtype``. ``chunk_bytes``: what
     a chunk's buffers take, against which ``_SplitDWSum`` is weighed. With ``rows`` (the
     kept rows of a compacted batch of ``n_rows`` rows) each chunk's dX rows are scattered straight into the full
@@ -400,6 +450,8 @@ class _GradBuffers:
         residual=None,
         chunk_bytes=0,
         dw_in_weight_dtype=False,
+        scaled_target=None,
+        ignore_index=-100,
     ):
         self.dx = None
         if need_dx:
@@ -416,6 +468,13 @@ class _GradBuffers:
             self.residual = residual.ResidualDW(tuple(weight.shape), weight_dtype, weight.device, n_chunks)
         elif need_dw and self.sum_dtype is None and _SplitDWSum.lowers_the_peak(weight, weight_dtype, chunk_bytes):
             self.dw_sum = _SplitDWSum(weight.shape[0])
+        self.frequent = None
+        if need_dw and dw_in_weight_dtype and scaled_target is not None:
+            count = _FrequentClassRows.count()  # read (and checked) at every such call
+            if count and n_chunks >= _FrequentClassRows.MIN_CHUNKS:
+                vocab, hidden = weight.shape
+                kept_only = rows is not None
+                self.frequent = _FrequentClassRows(scaled_target, kept_only, vocab, ignore_index, hidden, count)
         self.db = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_db else None
         self.weight = weight
         self.weight_dtype = weight_dtype
@@ -467,7 +526,10 @@ class _GradBuffers:
                 start,
             )
         if self.need_dw:
-            self._add_dw(grad.e, grad.x_operand(x_chunk))
+            x_operand = grad.x_operand(x_chunk)
+            self._add_dw(grad.e, x_operand)
+            if self.frequent is not None:
+                self.frequent.add(grad.e, x_operand)
             self.target_coefs.append(grad.target_coef)
             self.scaled_kind = type(grad)
 
@@ -479,7 +541,11 @@ class _GradBuffers:
             return
         coefs = self.target_coefs[0] if len(self.target_coefs) == 1 else torch.cat(self.target_coefs)
         lower, upper = (self.dw, None) if self.dw_sum is None else self.dw_sum.blocks
-        self.scaled_kind.add_target_rows(lower, x, self.rows, target, coefs, ignore_index, upper)
+        hot = None if self.frequent is None else (self.frequent.slot, self.frequent.rows)
+        self.scaled_kind.add_target_rows(lower, x, self.rows, target, coefs, ignore_index, upper, hot)
+        if self.frequent is not None:
+            self.frequent.write(self.dw)
+            self.frequent = None
         self.target_coefs = []
 
     def finish(self, scale: torch.Tensor | None = None, scale_into=None):
@@ -879,6 +945,8 @@ def _forward(x, weight, bias, target, plan: CallPlan, needs_input_grad) -> tuple
             residual,
             chunk_bytes,
             dw_in_weight_dtype,
+            ys if scaled else None,
+            ignore_index,
         )
 
     # Asked for after the first GEMM's launch: the denominator's few small launches then run under that GEMM

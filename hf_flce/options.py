@@ -77,15 +77,21 @@ def in_model_budget(memory_budget: int | None, device: torch.device) -> int:
 
 def env_positive_int(name: str) -> int | None:
     """The positive integer environment variable ``name``, or None where it is unset or empty."""
+    return env_int(name, minimum=1)
+
+
+def env_int(name: str, minimum: int = 0) -> int | None:
+    """The integer environment variable ``name`` (at least ``minimum``), or None where it is unset or empty."""
+    kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
     raw = os.environ.get(name)
     if raw is None or raw.strip() == "":
         return None
     try:
         value = int(raw)
     except ValueError:
-        raise ValueError(f"{name} must be a positive integer, got {raw!r}") from None
-    if value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value}")
+        raise ValueError(f"{name} must be {kind}, got {raw!r}") from None
+    if value < minimum:
+        raise ValueError(f"{name} must be {kind}, got {value}")
     return value
 
 

@@ -14,6 +14,9 @@ Providers (each missing one is reported as ``n/a`` with its import error; a fail
   ours_lean    the same with dW summed in the bf16 gradient plus an int8 residual (``HF_FLCE_DW_RESIDUAL=1``; CUDA)
   ours_fp32_sum  ``ours`` with dW summed across chunks in float32 (``HF_FLCE_DW_FP32_SUM=1``), the default before v46;
                not in the default list
+  ours_no_frequent  ``ours`` with every dW row in the 16-bit sum (``HF_FLCE_DW_FREQUENT_CLASSES=0``), the default
+               before v47: what keeping the most frequent target classes' rows in float32 costs; not in the default
+               list
   ours_in_model  ``ours`` at the budget of a head inside a model (``hf_flce.options.in_model_budget``: half the op's
                default), what the patchers and trainers run; not in the default list, name it in ``--providers``
 
@@ -278,6 +281,7 @@ PROVIDERS = {
     "ours": ProviderSpec(_ours),
     "ours_lean": ProviderSpec(lambda kind: with_residual_dw(_ours(kind)), devices=("cuda",)),
     "ours_fp32_sum": ProviderSpec(lambda kind: with_env(_ours(kind), HF_FLCE_DW_FP32_SUM="1")),
+    "ours_no_frequent": ProviderSpec(lambda kind: with_env(_ours(kind), HF_FLCE_DW_FREQUENT_CLASSES="0")),
     "ours_in_model": ProviderSpec(lambda kind: _ours(kind, in_model=True)),
 }
 

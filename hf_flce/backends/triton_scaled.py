@@ -264,11 +264,15 @@ def _target_rows_kernel(
     stride_dw,
     upper_ptr,
     stride_upper,
+    slot_ptr,
+    hot_ptr,
+    stride_hot,
     split,
     n,
     H,
     ignore_index,
     HAS_ROWS: tl.constexpr,
+    HAS_HOT: tl.constexpr,
     BP: tl.constexpr,
     BH: tl.constexpr,
 ):
@@ -276,7 +280,8 @@ def _target_rows_kernel(
     block of BP sorted positions sums each run of equal targets by a segmented scan; the position ending a run adds
     the run's sum to its dW row, once, in float32. A run that began in an earlier block (a long run) also sums those
     blocks' rows, walking back. The order of every sum is fixed: deterministic, no atomics. dW rows from ``split`` on
-    are those of ``upper``."""
+    are those of ``upper``. ``HAS_HOT``: the classes with a ``slot`` (``>= 0``) have their row in the float32 ``hot``
+    instead, at that slot."""
     first = tl.program_id(0) * BP
     pos = first + tl.arange(0, BP)
     cols = tl.program_id(1) * BH + tl.arange(0, BH)
@@ -311,13 +316,19 @@ def _target_rows_kernel(
                 last -= BP
             sums += tl.where((v == first_v)[:, None], earlier[None, :], 0.0)
     row = tl.where(ends, v, 0).to(tl.int64)[:, None]
+    mask = ends[:, None] & col_ok[None, :]
+    if HAS_HOT:
+        slot = tl.load(slot_ptr + tl.where(ends, v, 0), mask=ends, other=-1)
+        hot = mask & (slot >= 0)[:, None]
+        hot_rows = hot_ptr + tl.maximum(slot, 0).to(tl.int64)[:, None] * stride_hot + cols[None, :]
+        tl.store(hot_rows, tl.load(hot_rows, mask=hot, other=0.0) + sums, mask=hot)
+        mask &= ~hot
     lower = row < split
     dw_rows = tl.where(
         lower,
         dw_ptr + row * stride_dw + cols[None, :],
         upper_ptr + (row - split) * stride_upper + cols[None, :],
     )
-    mask = ends[:, None] & col_ok[None, :]
     value = tl.load(dw_rows, mask=mask, other=0.0).to(tl.float32) + sums
     tl.store(dw_rows, value.to(dw_ptr.dtype.element_ty), mask=mask)
 
@@ -415,11 +426,13 @@ class ScaledGradient:
         target_coef: torch.Tensor,
         ignore_index: int,
         dw_upper: torch.Tensor | None = None,
+        hot: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         """``dW[y_i] += c_i x_i`` over every kept row of a call (in float32, each dW row updated once), after its last
         chunk: one sort and one launch per call. Kept row ``i`` is row ``x_rows[i]`` of ``x``, or row ``i`` without
         ``x_rows``; ``target`` and ``target_coef`` are per kept row. With ``dw_upper``, dW is split in two blocks of
-        rows: ``dw`` holds its first ``dw.shape[0]`` rows and ``dw_upper`` the rest."""
+        rows: ``dw`` holds its first ``dw.shape[0]`` rows and ``dw_upper`` the rest. With ``hot = (slot, rows)``,
+        class ``v`` with ``slot[v] >= 0`` has its row at ``rows[slot[v]]`` (float32) instead."""
         n, h = target.shape[0], x.shape[1]
         if n == 0:
             return
@@ -441,11 +454,15 @@ class ScaledGradient:
                 dw.stride(0),
                 upper,
                 upper.stride(0),
+                order if hot is None else hot[0],
+                dw if hot is None else hot[1],
+                0 if hot is None else hot[1].stride(0),
                 dw.shape[0],
                 n,
                 h,
                 ignore_index,
                 HAS_ROWS=x_rows is not None,
+                HAS_HOT=hot is not None,
                 BP=bp,
                 BH=bh,
                 num_warps=4,
