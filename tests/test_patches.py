@@ -1207,3 +1207,23 @@ def test_patch_after_accelerate_dispatch(name):
 
 def test_lazy_exports():
     assert hf_flce.apply_flce is apply_flce and hf_flce.revert_flce is revert_flce
+
+
+def test_cache_under_the_installed_name():
+    """The cache goes in and comes out under the name the installed transformers uses (``past_key_values`` until
+    5.23, ``cache`` from 5.24 on, which also takes the old name), with stock's loss and cache; both names at once is
+    an error."""
+    patched, stock = patched_pair("LlamaForCausalLM")
+    ids, labels = make_batch()
+    name = patch_forward.CACHE
+    first = [model(input_ids=ids[:, :6], use_cache=True) for model in (patched, stock)]
+    caches = [getattr(out, name) for out in first]
+    outs = [
+        model(input_ids=ids[:, 6:], labels=labels[:, 6:], use_cache=True, **{name: cache})
+        for model, cache in zip((patched, stock), caches)
+    ]
+    torch.testing.assert_close(outs[0].loss, outs[1].loss, rtol=1e-5, atol=1e-5)
+    assert getattr(outs[0], name).get_seq_length() == getattr(outs[1], name).get_seq_length() == 10
+    if name == "cache":
+        with pytest.raises(ValueError, match="not both"):
+            patched(input_ids=ids[:, 6:], labels=labels[:, 6:], cache=caches[0], past_key_values=caches[0])

@@ -179,6 +179,11 @@ def _fused_loss(
     return head_linear_cross_entropy(model.lm_head, hidden, target, **op_options)
 
 
+# The models' cache argument and their outputs' cache field: ``past_key_values`` until transformers 5.23, ``cache``
+# from 5.24 on (which renames the old name with a warning, and refuses both at once)
+CACHE = "cache" if "cache" in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)} else "past_key_values"
+
+
 def _forward(
     self,
     input_ids,
@@ -194,14 +199,18 @@ def _forward(
     """The body of both forwards; an MoE call carries ``output_router_logits`` in ``kwargs``."""
     state: PatchState = getattr(self, STATE_ATTR)
     options = _fused_head(self, labels, kwargs.pop("skip_logits", None))
-    inputs = dict(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        past_key_values=past_key_values,
-        inputs_embeds=inputs_embeds,
-        use_cache=use_cache,
-    )
+    if CACHE in kwargs:
+        if past_key_values is not None:
+            raise ValueError(f"pass the cache as `{CACHE}` or as `past_key_values`, not both")
+        past_key_values = kwargs.pop(CACHE)
+    inputs = {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "position_ids": position_ids,
+        CACHE: past_key_values,
+        "inputs_embeds": inputs_embeds,
+        "use_cache": use_cache,
+    }
     if options is None:
         return state.stock_forward(self, **inputs, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
     late = LateHeadGrad.start(self.lm_head) if options.defer_head_grad else None  # before the layers' autograd nodes
@@ -215,12 +224,12 @@ def _forward(
     outputs = self.model(**inputs, **kwargs)
     hidden = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
     loss = _fused_loss(self, hidden, labels, options, kwargs, late)
-    fields = dict(
-        logits=None,
-        past_key_values=outputs.past_key_values,
-        hidden_states=outputs.hidden_states,
-        attentions=outputs.attentions,
-    )
+    fields = {
+        "logits": None,
+        CACHE: getattr(outputs, CACHE),
+        "hidden_states": outputs.hidden_states,
+        "attentions": outputs.attentions,
+    }
     if state.aux_loss is not None:
         aux_loss = _aux_loss(self, state, outputs, kwargs.get("output_router_logits"), attention_mask)
         if aux_loss is not None:
