@@ -387,14 +387,14 @@ class _FrequentClassRows:
     softmax) dW's error is 2.80e-3 at 20 chunks of 32768 rows and 4.48e-3 at 79, against stock's 2.57e-3 and the
     float32 sum's 1.74e-3; with the 1024 most frequent classes in float32, 1.83e-3 and 2.05e-3. ``COUNT`` classes cost
     ``4 COUNT H`` bytes (16 MiB at H = 4096) and, per chunk, a gather of their ``E`` columns and a
-    ``[COUNT, rows] x [rows, H]`` GEMM: 0.4-2.3% of a call's time at 9-19 chunks, 4.8% where 19 chunks of ~400 rows
-    leave the call bound by host time (``docs/PERF_NOTES.md`` v47)."""
+    ``[COUNT, rows] x [rows, H]`` GEMM: 0.4-2.3% of a call's time at 9-19 chunks, 4.8% at 19 chunks of ~400 rows,
+    where the GPU waits on the call's host work (``docs/PERF_NOTES.md`` v47)."""
 
     COUNT = 1024
     COUNT_ENV = "HF_FLCE_DW_FREQUENT_CLASSES"  # another count; 0 keeps every row in the 16-bit sum
     # Below this many chunks the 16-bit sum's error stays within ~1.15x the float32 sum's (H100, qwen3-0.6b's head
     # at 8192 rows: 1.88e-3 at 3 chunks, 1.94e-3 at 5, float32 sum 1.71e-3, stock 2.54e-3), and these rows cost 2-5%
-    # of such a call (the first form, taken from 2 chunks on).
+    # of such a call (measured with them taken from 2 chunks on).
     MIN_CHUNKS = 8
 
     @classmethod

@@ -3,8 +3,8 @@
 each with the target column in the bf16 logits gradient (Liger sums that in bf16) or apart (hf_flce: each row's target
 term ``g_y x`` added in float32 once after the last chunk, so the sums carry only the softmax part; summed in bf16 by
 default on Hopper, in float32 with ``HF_FLCE_DW_FP32_SUM=1``), next to stock HF's one-GEMM dW from bf16-rounded
-logits. The default's bf16 sum keeps the rows of the call's most frequent target classes in float32
-(``engine._FrequentClassRows``): the last column. CPU, about 15 s at the default size, 2 min at the second.
+logits. From ``engine._FrequentClassRows.MIN_CHUNKS`` chunks on, the default's bf16 sum keeps the rows of the call's
+most frequent target classes in float32: the last column, which takes them at every chunk count. CPU, about 15 s at the default size, 2 min at the second.
 
     python scripts/dw_accumulation_error.py
     python scripts/dw_accumulation_error.py --rows 8192 --hidden 128 --vocab 32768 --chunks 1,8,16,64
@@ -32,7 +32,11 @@ from unittest import mock
 
 import torch
 
-FREQUENT_CLASSES = 1024  # engine._FrequentClassRows.COUNT
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from hf_flce.engine import _FrequentClassRows  # noqa: E402
+
+FREQUENT_CLASSES = _FrequentClassRows.COUNT
 
 
 def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
@@ -137,7 +141,6 @@ def float64_dw(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, chunk: int = 1
 def op_errors(n: int, h: int, v: int, budgets: list[int], device: str) -> None:
     """dW's error against float64 of stock HF and of hf_flce at each budget: its default (the most frequent target
     classes' rows summed in float32), every row in the 16-bit sum, and the float32 sum."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import hf_flce
     from hf_flce.backends import triton_scaled
 
