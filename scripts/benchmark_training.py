@@ -43,6 +43,12 @@ optimizer step:
 The first step's loss does not depend on the log-probabilities' values (the ratio is 1), so GRPO rows have no head
 error.
 
+``--processes N`` runs each provider in N fresh processes, in N rounds that take the providers in turn (each round
+starting one provider later), and reports per cell the tokens/s at the median of the processes' step times, their
+spread (``process_tokens_per_s``, and ``±`` half its range in the table) and the largest peak. One process's host can run a
+few percent faster or slower than the next one's (README, "End to end, DPO"), which one process per provider cannot
+tell from a difference between providers.
+
 Output under ``--out``: ``training.json``, ``training.md`` and ``training.png`` (``training_dpo.*`` for
 ``--task dpo``). ``--device cpu`` runs tiny configs as a smoke test.
 """
@@ -444,7 +450,13 @@ def render_tables(data: dict[str, Any]) -> str:
         if task != "GRPO"
         else "No head error: at the first step the ratio is 1 and the loss does not depend on the log-probs."
     )
-    parts.append(f"Cells: tokens/s · {mem_label}. {head_error}")
+    processes = data["args"].get("processes", 1)
+    spread = (
+        f" Each cell is the median over {processes} processes (± half their range of tokens/s) and their largest peak."
+        if processes > 1
+        else ""
+    )
+    parts.append(f"Cells: tokens/s · {mem_label}. {head_error}{spread}")
     parts.append("")
     rows = []
     for model, tokens in dict.fromkeys((r["model"], r["tokens"]) for r in rows_in):
@@ -454,7 +466,11 @@ def render_tables(data: dict[str, Any]) -> str:
             if r.get("status") != "ok":
                 cells.append(str(r.get("status", "")))
                 continue
-            cells.append(f"{r['tokens_per_s'] / 1e3:.1f}k · {bc.fmt_gb(r.get(mem_key))}")
+            spread = ""
+            if len(r.get("process_tokens_per_s", ())) > 1:
+                low, high = min(r["process_tokens_per_s"]), max(r["process_tokens_per_s"])
+                spread = f" ±{50 * (high - low) / r['tokens_per_s']:.1f}%"
+            cells.append(f"{r['tokens_per_s'] / 1e3:.1f}k{spread} · {bc.fmt_gb(r.get(mem_key))}")
             if r["losses"] and r.get("exact_loss") is not None:
                 deltas.append(f"{p} {r['losses'][0] - r['exact_loss']:+.1e}")
         rows.append([model, tokens, *cells, ", ".join(deltas)])
@@ -511,6 +527,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--steps", type=int, help="timed steps (default 5, quick 2); warm-up default 2, quick 1")
     p.add_argument("--timeout", type=float, default=None, help="seconds per provider process")
+    p.add_argument("--processes", type=int, default=1, help="processes per provider, in interleaved rounds (default 1)")
     p.add_argument("--no-isolate", action="store_true", help="run every provider in this process (CPU smoke tests)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -527,6 +544,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     bad = [x for x in args.providers if x not in known]
     if bad:
         p.error(f"unknown providers {bad} for --task {args.task}; choose from {list(known)}")
+    if args.processes < 1:
+        p.error(f"--processes must be at least 1, got {args.processes}")
     args.steps = args.steps if args.steps is not None else 2 if args.quick else 5
     args.warmup = args.warmup if args.warmup is not None else 1 if args.quick else 2
     return args
@@ -574,24 +593,63 @@ def main(argv: list[str] | None = None) -> int:
         "results": [],
     }
     print(f"[env] {json.dumps(data['env'])}", flush=True)
-    for provider in args.providers:
-        if args.device != "cuda" and provider in CUDA_ONLY:
-            res: dict[str, Any] = {"error": CUDA_ONLY[provider]}
-        elif args.no_isolate:
-            res = {"results": run_provider(provider, args)}
-        else:
-            res = bc.run_worker(worker_argv(provider, args), timeout=args.timeout, stream=True)
-        if "error" in res:  # the whole provider failed (import error, crash): one row per configuration
-            res = {
-                "results": [{"model": m, "tokens": t, "status": res["error"]} for m in args.models for t in args.tokens]
-            }
-            for row in res["results"]:
-                row["provider"] = provider
-                print(f"[train] {row['model']} {row['tokens']} {provider}: {row['status']}", flush=True)
-        data["results"] += res["results"]
-        bc.write_json(out / f"{report_stem(args.task)}.json", data)
+    runs: list[list[dict[str, Any]]] = []  # one list of rows per process
+    for round_ in range(args.processes):
+        shift = round_ % len(args.providers)
+        for provider in args.providers[shift:] + args.providers[:shift]:
+            runs.append(run_provider_process(provider, args))
+            data["results"] = merge_processes(runs)
+            bc.write_json(out / f"{report_stem(args.task)}.json", data)
     finish(data, out)
     return 0
+
+
+def run_provider_process(provider: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One provider's rows from one fresh process (this one with ``--no-isolate``); a provider that fails as a whole
+    (import error, crash) gives one row per configuration with its error."""
+    if args.device != "cuda" and provider in CUDA_ONLY:
+        res: dict[str, Any] = {"error": CUDA_ONLY[provider]}
+    elif args.no_isolate:
+        res = {"results": run_provider(provider, args)}
+    else:
+        res = bc.run_worker(worker_argv(provider, args), timeout=args.timeout, stream=True)
+    if "error" not in res:
+        return res["results"]
+    rows = [
+        {"model": m, "tokens": t, "provider": provider, "status": res["error"]}
+        for m in args.models
+        for t in args.tokens
+    ]
+    for row in rows:
+        print(f"[train] {row['model']} {row['tokens']} {provider}: {row['status']}", flush=True)
+    return rows
+
+
+def merge_processes(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One row per (model, tokens, provider) from every process's rows: as is where one process ran it; otherwise the
+    first process's row (its losses, head error and step times), with tokens/s and step time the medians over the
+    processes that succeeded, ``process_tokens_per_s`` and ``process_step_ms`` every such process's, and the largest
+    peak. A cell any process failed keeps that failure as its status."""
+    cells: dict[tuple, list[dict[str, Any]]] = {}
+    for rows in runs:
+        for row in rows:
+            cells.setdefault((row["model"], row["tokens"], row["provider"]), []).append(row)
+    merged = []
+    for rows in cells.values():
+        ok = [r for r in rows if r.get("status") == "ok"]
+        if len(rows) == 1 or len(ok) < len(rows):
+            merged.append(next((r for r in rows if r.get("status") != "ok"), rows[0]))
+            continue
+        row = dict(ok[0])
+        row["process_tokens_per_s"] = [r["tokens_per_s"] for r in ok]
+        row["process_step_ms"] = [r["step_ms"] for r in ok]
+        row["step_ms"] = bc.median(row["process_step_ms"])
+        row["tokens_per_s"] = row["tokens_per_step"] / (row["step_ms"] / 1e3)
+        for key in ("peak_bytes", "rss_extra_bytes"):
+            if key in row:
+                row[key] = max(r[key] for r in ok)
+        merged.append(row)
+    return merged
 
 
 if __name__ == "__main__":

@@ -274,3 +274,47 @@ def test_queued_timing_hides_host_time_only_behind_earlier_work() -> None:
     )
     expected = {"yardstick": 3.0, "queued": 5.0, "yardstick_isolated": 3.01, "isolated": 5.5}
     assert times == {kind: pytest.approx([ms] * 4) for kind, ms in expected.items()}
+
+
+def test_training_benchmark_processes_interleaved_and_merged(tmp_path: Path, monkeypatch) -> None:
+    """``--processes 3``: every provider runs once per round, each round starting one provider later; a cell takes
+    the median step time over the processes, their largest peak, and the first process's losses; a cell that failed
+    in any process keeps the failure."""
+    training = _load("benchmark_training")
+    calls: list[str] = []
+    step_ms = {"stock": iter([100.0, 140.0, 120.0]), "ours": iter([90.0, 80.0, 85.0])}
+
+    def fake_process(provider: str, args) -> list[dict]:
+        calls.append(provider)
+        # liger succeeds in the first round only; stock and ours take their next step time
+        ms = 1.0 if provider == "liger" else next(step_ms[provider])
+        status = "OOM" if provider == "liger" and len(calls) > 3 else "ok"
+        row = {"model": "m", "tokens": 512, "provider": provider, "status": status, "step_ms": ms}
+        row.update(tokens_per_step=512, tokens_per_s=512 / (ms / 1e3), peak_bytes=int(ms), losses=[ms])
+        return [row]
+
+    monkeypatch.setattr(training, "run_provider_process", fake_process)
+    monkeypatch.setattr(training, "finish", lambda data, out: None)
+    argv = ["--device", "cpu", "--models", "tiny-llama", "--tokens", "512", "--providers", "stock,liger,ours"]
+    assert training.main([*argv, "--processes", "3", "--out", str(tmp_path)]) == 0
+    assert calls == ["stock", "liger", "ours", "liger", "ours", "stock", "ours", "stock", "liger"]
+    rows = _by_provider(json.loads((tmp_path / "training.json").read_text())["results"])
+    assert rows["stock"]["process_step_ms"] == [100.0, 140.0, 120.0]
+    assert rows["stock"]["step_ms"] == 120.0 and rows["stock"]["tokens_per_s"] == pytest.approx(512 / 0.120)
+    assert rows["stock"]["peak_bytes"] == 140 and rows["stock"]["losses"] == [100.0]
+    assert rows["ours"]["step_ms"] == 85.0
+    assert rows["liger"]["status"] == "OOM"
+    with pytest.raises(SystemExit):
+        training.parse_args([*argv, "--processes", "0"])
+
+
+def test_training_benchmark_processes_table_spread(tmp_path: Path) -> None:
+    """Two real processes' worth (in this process) of one tiny configuration: the table shows the spread."""
+    training = _load("benchmark_training")
+    argv = ["--device", "cpu", "--models", "tiny-llama", "--tokens", "128", "--seq", "64", "--steps", "1"]
+    argv += ["--warmup", "1", "--providers", "ours", "--no-isolate", "--threads", "1", "--processes", "2"]
+    assert training.main([*argv, "--out", str(tmp_path)]) == 0
+    row = _by_provider(json.loads((tmp_path / "training.json").read_text())["results"])["ours"]
+    assert len(row["process_tokens_per_s"]) == 2 and row["status"] == "ok"
+    table = (tmp_path / "training.md").read_text()
+    assert "median over 2 processes" in table and "±" in table
