@@ -627,9 +627,9 @@ def run_provider_process(provider: str, args: argparse.Namespace) -> list[dict[s
 
 def merge_processes(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """One row per (model, tokens, provider) from every process's rows: as is where one process ran it; otherwise the
-    first process's row (its losses, head error and step times), with tokens/s and step time the medians over the
-    processes that succeeded, ``process_tokens_per_s`` and ``process_step_ms`` every such process's, and the largest
-    peak. A cell any process failed keeps that failure as its status."""
+    first process's row (its losses, head error and step times), with the step time the median over the processes,
+    tokens/s from it, ``process_tokens_per_s``, ``process_step_ms`` and ``process_step_times`` every process's, and
+    the largest peak. A cell any process failed keeps that failure as its status."""
     cells: dict[tuple, list[dict[str, Any]]] = {}
     for rows in runs:
         for row in rows:
@@ -643,6 +643,7 @@ def merge_processes(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
         row = dict(ok[0])
         row["process_tokens_per_s"] = [r["tokens_per_s"] for r in ok]
         row["process_step_ms"] = [r["step_ms"] for r in ok]
+        row["process_step_times"] = [r["step_times"] for r in ok]
         row["step_ms"] = bc.median(row["process_step_ms"])
         row["tokens_per_s"] = row["tokens_per_step"] / (row["step_ms"] / 1e3)
         for key in ("peak_bytes", "rss_extra_bytes"):

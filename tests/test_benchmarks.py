@@ -290,7 +290,7 @@ def test_training_benchmark_processes_interleaved_and_merged(tmp_path: Path, mon
         ms = 1.0 if provider == "liger" else next(step_ms[provider])
         status = "OOM" if provider == "liger" and len(calls) > 3 else "ok"
         row = {"model": "m", "tokens": 512, "provider": provider, "status": status, "step_ms": ms}
-        row.update(tokens_per_step=512, tokens_per_s=512 / (ms / 1e3), peak_bytes=int(ms), losses=[ms])
+        row.update(tokens_per_step=512, tokens_per_s=512 / (ms / 1e3), peak_bytes=int(ms), losses=[ms], step_times=[ms])
         return [row]
 
     monkeypatch.setattr(training, "run_provider_process", fake_process)
@@ -300,6 +300,7 @@ def test_training_benchmark_processes_interleaved_and_merged(tmp_path: Path, mon
     assert calls == ["stock", "liger", "ours", "liger", "ours", "stock", "ours", "stock", "liger"]
     rows = _by_provider(json.loads((tmp_path / "training.json").read_text())["results"])
     assert rows["stock"]["process_step_ms"] == [100.0, 140.0, 120.0]
+    assert rows["stock"]["process_step_times"] == [[100.0], [140.0], [120.0]]
     assert rows["stock"]["step_ms"] == 120.0 and rows["stock"]["tokens_per_s"] == pytest.approx(512 / 0.120)
     assert rows["stock"]["peak_bytes"] == 140 and rows["stock"]["losses"] == [100.0]
     assert rows["ours"]["step_ms"] == 85.0
