@@ -45,9 +45,9 @@ error.
 
 ``--processes N`` runs each provider in N fresh processes, in N rounds that take the providers in turn (each round
 starting one provider later), and reports per cell the tokens/s at the median of the processes' step times, their
-spread (``process_tokens_per_s``, and ``±`` half its range in the table) and the largest peak. One process's host can run a
-few percent faster or slower than the next one's (README, "End to end, DPO"), which one process per provider cannot
-tell from a difference between providers.
+spread (``process_tokens_per_s``, and ``±`` half its range in the table) and the largest peak. One process's host can
+run a few percent faster or slower than the next one's (README, "End to end, DPO"), which one process per provider
+cannot tell from a difference between providers.
 
 Output under ``--out``: ``training.json``, ``training.md`` and ``training.png`` (``training_dpo.*`` for
 ``--task dpo``). ``--device cpu`` runs tiny configs as a smoke test.
