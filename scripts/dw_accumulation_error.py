@@ -2,9 +2,10 @@
 """How summing dW across chunks affects its error against float64: the k chunk products summed in float32 or in bf16,
 each with the target column in the bf16 logits gradient (Liger sums that in bf16) or apart (hf_flce: each row's target
 term ``g_y x`` added in float32 once after the last chunk, so the sums carry only the softmax part; summed in bf16 by
-default on Hopper, in float32 with ``HF_FLCE_DW_FP32_SUM=1``), next to stock HF's one-GEMM dW from bf16-rounded
-logits. From ``engine._FrequentClassRows.MIN_CHUNKS`` chunks on, the default's bf16 sum keeps the rows of the call's
-most frequent target classes in float32: the last column, which takes them at every chunk count. CPU, about 15 s at the default size, 2 min at the second.
+default on Hopper, in float32 with ``HF_FLCE_DW_FP32_SUM=1``), next to stock HF's one-GEMM dW from bf16-rounded logits.
+From ``engine._FrequentClassRows.MIN_CHUNKS`` chunks on, the default's bf16 sum keeps the rows of the call's most
+frequent target classes in float32: the last column, which takes them at every chunk count. CPU, about 15 s at the
+default size, 2 min at the second.
 
     python scripts/dw_accumulation_error.py
     python scripts/dw_accumulation_error.py --rows 8192 --hidden 128 --vocab 32768 --chunks 1,8,16,64
