@@ -254,9 +254,9 @@ def _vocab_chunks() -> bool:
 
 
 def _target_column_apart() -> bool:
-    """Whether a recomputing backward over vocabulary chunks takes each row's target column out of the 16-bit
-    gradient and adds it in float32 (``recompute_gradient(target_apart=)``, ``target_gradient``);
-    ``HF_FLCE_TARGET_APART=0`` keeps it in (for A/B measurements)."""
+    """Whether a recomputing backward over vocabulary chunks (``recompute_gradient(target_apart=)``,
+    ``target_gradient``) and a scalar loss on the tile path (``_tile_target_apart``) take each row's target column out
+    of the 16-bit gradient and add it in float32; ``HF_FLCE_TARGET_APART=0`` keeps it in (for A/B measurements)."""
     return os.environ.get("HF_FLCE_TARGET_APART", "1") != "0"
 
 
@@ -273,6 +273,23 @@ def _dw_sum_in_weight_dtype(scaled: bool, weight: torch.Tensor) -> bool:
     From 8 chunks on the most frequent target classes' rows, which carry most of that, are summed in float32
     (``_FrequentClassRows``: 2.0e-3 at 32 chunks). ``HF_FLCE_DW_FP32_SUM=1`` keeps the float32 sum."""
     return scaled and weight.dtype.itemsize == 2 and not env_flag("HF_FLCE_DW_FP32_SUM")
+
+
+def _tile_target_apart(plan: CallPlan, fused, x: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether a scalar loss on the tile path (cuBLAS float32 logits and the tile passes: GPUs before Hopper,
+    class-weighted calls) writes its 16-bit logits gradient with each row's target column taken out and carried in
+    float32 (the backend's ``forward_target_apart``), as the epilogue path's scaled gradient does: the 16-bit sums of
+    dW then round only its softmax part, so they are kept in the gradient itself (``_dw_sum_in_weight_dtype``), with
+    no float32 ``[V, H]`` sum. Not with a bias (its gradient would need the column too) nor for DFT (whose per-row
+    factor comes after the pass); ``HF_FLCE_TARGET_APART=0`` keeps the column in."""
+    return (
+        fused is None
+        and bias is None
+        and not plan.prob_weighted
+        and (plan.compute_dtype or x.dtype).itemsize == 2
+        and hasattr(plan.tiles, "forward_target_apart")
+        and _target_column_apart()
+    )
 
 
 def _scaled_gradient(plan: CallPlan, fused, w_c: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -542,7 +559,9 @@ class _GradBuffers:
         coefs = self.target_coefs[0] if len(self.target_coefs) == 1 else torch.cat(self.target_coefs)
         lower, upper = (self.dw, None) if self.dw_sum is None else self.dw_sum.blocks
         hot = None if self.frequent is None else (self.frequent.slot, self.frequent.rows)
-        self.scaled_kind.add_target_rows(lower, x, self.rows, target, coefs, ignore_index, upper, hot)
+        self.scaled_kind.add_target_rows(
+            lower, x, self.rows, target, coefs, ignore_index, upper, hot, self.weight.dtype
+        )
         if self.frequent is not None:
             self.frequent.write(self.dw)
             self.frequent = None
@@ -675,6 +694,7 @@ def _chunk_forward(
     settle: Callable[[], int] | None = None,
     rows_on_device: torch.Tensor | None = None,
     keep_columns: int | None = None,
+    tiles_apart: bool = False,
 ):
     """One chunk: its row statistics, the detached target probability (DFT only), for a scalar loss the logits
     gradient times ``inv_denominator()`` (0-d, asked for once the logits GEMM is launched; with ``scaled`` as the
@@ -682,7 +702,8 @@ def _chunk_forward(
     ``settle`` (a scaled gradient's first chunk, launched before the host knows how many rows are kept, with the GEMM
     reading that count from ``rows_on_device``): called once the GEMM is launched, it returns how many of the
     chunk's leading rows count, and the results are cut to them. ``keep_columns`` (with ``keep``): only the leading
-    columns' e is kept."""
+    columns' e is kept. ``tiles_apart``: the tile path's gradient with its target column apart
+    (``_tile_target_apart``)."""
     n_rows = x_chunk.shape[0]
     # a scaled gradient's row scales come from the GEMM's path already times the upstream 0-d (no pass for it), but
     # for DFT, whose per-row factor is known only after the statistics
@@ -710,7 +731,10 @@ def _chunk_forward(
     if fused is None and eager and not plan.prob_weighted:
         # statistics and gradient in one pass over the logits
         grad_out = _grad_buffer(kept, x_chunk.dtype, plan.tiles)
-        stats = plan.tiles.forward(kept, ys, plan.params, grad_scale=scale, grad_out=grad_out)
+        if tiles_apart:
+            stats, grad_out = plan.tiles.forward_target_apart(kept, ys, plan.params, scale, grad_out)
+        else:
+            stats = plan.tiles.forward(kept, ys, plan.params, grad_scale=scale, grad_out=grad_out)
     elif fused is None:
         stats = plan.tiles.forward(kept, ys, plan.params)
     if plan.prob_weighted:
@@ -867,18 +891,19 @@ def _forward(x, weight, bias, target, plan: CallPlan, needs_input_grad) -> tuple
     residual = _residual_dw(plan, x, weight) if eager else None
     # the gradient as E and row scales (no pass over the logits): not into an int8 residual
     scaled = eager and residual is None and _scaled_gradient(plan, fused, w_c, bias)
-    dw_in_weight_dtype = _dw_sum_in_weight_dtype(scaled, weight)
+    tiles_apart = eager and residual is None and _tile_target_apart(plan, fused, x, bias)
+    dw_in_weight_dtype = _dw_sum_in_weight_dtype(scaled or tiles_apart, weight)
     accumulator = _accumulator_bytes(residual, weight, eager and need_dw, dw_in_weight_dtype)
     logits_16bit = fused is None and _logits_16bit(plan, x, bias)
     if fused is not None:
         # without a gradient in forward only the partial statistics take memory; kept logits are one chunk
         per_logit = fused.bytes_per_logit(vocab, plan.params, keep=eager)
         kept_per_logit = fused.bytes_per_logit(vocab, plan.params)
-        if scaled:
-            per_logit += _scaled_row_bytes(x.shape[1], w_c.element_size()) / vocab
     else:
         per_logit = _bytes_per_logit(plan, (plan.compute_dtype or x.dtype) if eager else None, logits_16bit)
         kept_per_logit = 2 if logits_16bit else 4
+    if scaled or tiles_apart:
+        per_logit += _scaled_row_bytes(x.shape[1], w_c.element_size()) / vocab
     # With a scaled gradient the first chunk's GEMM need not wait for the host to learn how many rows are kept: the
     # kept rows are moved first on the device, that GEMM reads their count from device memory, and the host reads
     # it (with the targets' range) while the GEMM runs. The first chunk is then planned as if every row were kept,
@@ -945,7 +970,7 @@ def _forward(x, weight, bias, target, plan: CallPlan, needs_input_grad) -> tuple
             residual,
             chunk_bytes,
             dw_in_weight_dtype,
-            ys if scaled else None,
+            ys if scaled or tiles_apart else None,
             ignore_index,
         )
 
@@ -976,6 +1001,7 @@ def _forward(x, weight, bias, target, plan: CallPlan, needs_input_grad) -> tuple
             settle if first_deferred else None,
             compaction.summary if first_deferred else None,
             keep_columns,
+            tiles_apart,
         )
         if first_deferred:
             end = start + stats.loss.shape[0]

@@ -147,22 +147,33 @@ class Device:
         return out, self.peak() - base
 
 
-def with_residual_dw(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` with every hf_flce call inside it on a Triton backend that sums dW in the bf16 gradient plus an int8
-    residual (what ``HF_FLCE_DW_RESIDUAL=1`` does for a whole process): the "ours_lean" provider of the benchmarks.
-    The call's plan keeps that backend, so the backward that follows uses it too."""
+def with_triton_backend(fn: Callable[..., Any], **options: Any) -> Callable[..., Any]:
+    """``fn`` with every hf_flce call inside it on ``TritonTileOps(**options)``. The call's plan keeps that backend,
+    so the backward that follows uses it too."""
     from unittest import mock
 
     import hf_flce.api
     from hf_flce.backends.triton_tiles import TritonTileOps
 
-    lean = TritonTileOps(dw_residual=True)
+    backend = TritonTileOps(**options)
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        with mock.patch.object(hf_flce.api, "resolve_backend", lambda backend, device: lean):
+        with mock.patch.object(hf_flce.api, "resolve_backend", lambda name, device: backend):
             return fn(*args, **kwargs)
 
     return call
+
+
+def with_residual_dw(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` with dW summed in the bf16 gradient plus an int8 residual (what ``HF_FLCE_DW_RESIDUAL=1`` does for a
+    whole process): the "ours_lean" provider of the benchmarks."""
+    return with_triton_backend(fn, dw_residual=True)
+
+
+def with_tile_path(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` on cuBLAS float32 logits and the tile passes, the path GPUs before Hopper take (what
+    ``HF_FLCE_GEMM_EPILOGUE=0`` does for a whole process): the "ours_tile_path" providers of the kernel benchmark."""
+    return with_triton_backend(fn, gemm_epilogue=False)
 
 
 def with_env(fn: Callable[..., Any], **env: str) -> Callable[..., Any]:

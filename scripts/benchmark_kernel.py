@@ -17,6 +17,10 @@ Providers (each missing one is reported as ``n/a`` with its import error; a fail
   ours_no_frequent  ``ours`` with every dW row in the 16-bit sum (``HF_FLCE_DW_FREQUENT_CLASSES=0``), the default
                before v47: what keeping the most frequent target classes' rows in float32 costs; not in the default
                list
+  ours_tile_path  ``ours`` on cuBLAS float32 logits and the tile passes (``HF_FLCE_GEMM_EPILOGUE=0``), the path of
+               GPUs before Hopper; not in the default list
+  ours_tile_path_fp32_sum  the same with each row's target column in the 16-bit gradient and dW summed across chunks
+               in float32 (``HF_FLCE_TARGET_APART=0``), that path's default before v48; not in the default list
   ours_in_model  ``ours`` at the budget of a head inside a model (``hf_flce.options.in_model_budget``: half the op's
                default), what the patchers and trainers run; not in the default list, name it in ``--providers``
 
@@ -90,6 +94,7 @@ from bench_common import (  # noqa: E402
     setup_run,
     with_env,
     with_residual_dw,
+    with_tile_path,
     write_json,
 )
 
@@ -282,6 +287,10 @@ PROVIDERS = {
     "ours_lean": ProviderSpec(lambda kind: with_residual_dw(_ours(kind)), devices=("cuda",)),
     "ours_fp32_sum": ProviderSpec(lambda kind: with_env(_ours(kind), HF_FLCE_DW_FP32_SUM="1")),
     "ours_no_frequent": ProviderSpec(lambda kind: with_env(_ours(kind), HF_FLCE_DW_FREQUENT_CLASSES="0")),
+    "ours_tile_path": ProviderSpec(lambda kind: with_tile_path(_ours(kind)), devices=("cuda",)),
+    "ours_tile_path_fp32_sum": ProviderSpec(
+        lambda kind: with_env(with_tile_path(_ours(kind)), HF_FLCE_TARGET_APART="0"), devices=("cuda",)
+    ),
     "ours_in_model": ProviderSpec(lambda kind: _ours(kind, in_model=True)),
 }
 

@@ -12,6 +12,7 @@ if not torch.cuda.is_available():
     # Must be set before triton is imported: the interpreter is picked when the kernels are decorated.
     os.environ["TRITON_INTERPRET"] = "1"
 
+import contextlib  # noqa: E402
 import itertools  # noqa: E402
 from dataclasses import replace  # noqa: E402
 from unittest import mock  # noqa: E402
@@ -374,6 +375,159 @@ def test_tiles_non_finite_rows_give_nan():
     assert not stats.loss[:2].isfinite().any() and stats.lse[0].isnan()
     assert stats.loss[2:].isfinite().all() and grad[2:].isfinite().all()
     assert grad[:2].isnan().any(dim=1).all()
+
+
+# --- the tile path's scalar gradient with its target column apart -------------------------------------------------
+
+
+@pytest.mark.parametrize("names", TILE_CASES, ids=lambda c: "+".join(c) or "plain")
+@pytest.mark.parametrize("layout", ["bf16", "row-tail"])
+def test_tiles_target_column_apart_match_float64(names, layout):
+    """``forward_target_apart``: the statistics and the gradient off the target column are ``forward``'s, the target
+    column is 0 in the 16-bit gradient and comes back in float32 as the gradient's ``target_coef`` (0 at ignored
+    rows), with unit row scales."""
+    rows, v = 8, 257
+    logits, target = random_logits(rows, v)
+    cw = (torch.rand(v, generator=torch.Generator().manual_seed(3)) + 0.5).to(DEVICE)
+    params = tile_params(v, names, cw)
+    grad_scale = torch.rand(rows, device=DEVICE)
+    ref, ref_grad, _ = float64_tiles(logits, target, params, grad_scale)
+    work = logits.clone()
+    out = work.view(torch.bfloat16)[:, v:] if layout == "row-tail" else torch.empty(rows, v, dtype=torch.bfloat16)
+    out = out.to(DEVICE) if layout == "bf16" else out
+    stats, grad = TritonTileOps(block=SMALL_BLOCK).forward_target_apart(work, target, params, grad_scale, out)
+    assert_stats_close(stats, ref)
+    assert grad.e is out and grad.row_scale is None and grad.target is target
+    kept = target != -100
+    at_target = torch.zeros(rows, v, dtype=torch.bool, device=DEVICE)
+    at_target[kept, target[kept]] = True
+    assert not out[at_target].any() and not out[~kept].any()
+    assert_close(out[~at_target], ref_grad[~at_target], 1e-2, "gradient off the target column")
+    assert grad.target_coef.dtype == torch.float32
+    assert_close(grad.target_coef[kept], ref_grad[at_target], 2e-6, "target column")
+    assert not grad.target_coef[~kept].any()
+
+
+@contextlib.contextmanager
+def tile_path_calls(fp32_sum_allowed=False):
+    """Counts the tile path's chunks with the target column apart, and fails on a float32 ``[V, H]`` dW sum unless
+    ``fp32_sum_allowed`` (a float32 weight's own gradient)."""
+    calls = {"chunks": 0}
+    real = TritonTileOps.forward_target_apart
+
+    def spy(self, *args, **kwargs):
+        calls["chunks"] += 1
+        return real(self, *args, **kwargs)
+
+    no_fp32_sum = mock.patch.object(engine, "dw_product", side_effect=AssertionError("a float32 dW sum"))
+    with (
+        mock.patch.object(TritonTileOps, "forward_target_apart", spy),
+        contextlib.nullcontext() if fp32_sum_allowed else no_fp32_sum,
+    ):
+        yield calls
+
+
+def grads_on_tile_path(hidden, weight, target, apart=True, **opts):
+    """Loss and the gradients of hidden and weight through the public API on the tile path, with the target column
+    apart (the default) or in (``HF_FLCE_TARGET_APART=0``)."""
+    leaves = [t.detach().clone().requires_grad_() for t in (hidden, weight)]
+    with mock.patch.dict(os.environ, {"HF_FLCE_TARGET_APART": "1" if apart else "0"}):
+        loss = hf_flce.fused_linear_cross_entropy(*leaves, target, backend="triton", **opts)
+        loss.backward()
+    return loss.detach(), leaves[0].grad, leaves[1].grad
+
+
+def float64_grads(hidden, weight, target, **opts):
+    leaves = [t.detach().double().requires_grad_() for t in (hidden, weight)]
+    opts = {k: (v.double() if torch.is_tensor(v) else v) for k, v in opts.items() if k != "memory_budget"}
+    loss = hf_flce.reference_linear_cross_entropy(*leaves, target, **opts)[0]
+    loss.backward()
+    return loss.detach(), leaves[0].grad, leaves[1].grad
+
+
+# the interpreter truncates float32 to 16 bits (a GPU rounds to nearest): errors of one rounding vary by 2x there
+TILE_MARGIN = 1.1 if DEVICE.type == "cuda" else 2.0
+
+
+@pytest.fixture
+def tile_path():
+    """The tile path on any device (cuBLAS float32 logits and the tile passes), as GPUs before Hopper take it."""
+    with mock.patch.object(resolve_backend("triton", DEVICE), "fused_head", None):
+        yield
+
+
+@pytest.mark.parametrize("names", [(), ("smoothing", "class_weight"), ("softcap", "z_loss", "temperature")])
+@pytest.mark.parametrize("budget", [None, 8192], ids=["one-chunk", "chunks"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_tile_path_target_column_apart(names, budget, dtype, tile_path):
+    """A 16-bit scalar loss on the tile path carries each row's target column in float32, and over several chunks
+    sums dW in the 16-bit gradient itself (no float32 ``[V, H]`` sum). The loss is the column-in path's, and the
+    gradients' errors against float64 are within ``TILE_MARGIN`` of that path's, whose dW is summed in float32."""
+    hidden, weight, target, _, opts = build(names, n=60, v=300, ignore_every=4)
+    hidden, weight = hidden.to(dtype), weight.to(dtype)
+    opts["memory_budget"] = budget
+    with tile_path_calls() as calls:
+        new = grads_on_tile_path(hidden, weight, target, **opts)
+    assert calls["chunks"] >= (3 if budget else 1)
+    old = grads_on_tile_path(hidden, weight, target, apart=False, **opts)
+    ref = float64_grads(hidden, weight, target, **opts)
+    assert torch.equal(new[0], old[0])
+    for name, n_, o, r in zip(("dX", "dW"), new[1:], old[1:], ref[1:]):
+        assert n_.dtype == dtype and torch.isfinite(n_).all(), name
+        assert rel_err(n_, r) <= TILE_MARGIN * rel_err(o, r) + 1e-4, (name, rel_err(n_, r), rel_err(o, r))
+
+
+@pytest.mark.parametrize("case", ["all-ignored", "one-token", "peaked"])
+def test_tile_path_target_column_apart_edge_cases(case, tile_path):
+    """Every row ignored: loss 0 and zero gradients. One token. Peaked rows (``p_y`` near 1, whose ``p_y - 1`` a
+    16-bit gradient rounds away): the float32 target column keeps dX and dW as accurate as the column-in path's."""
+    n = 1 if case == "one-token" else 24
+    hidden, weight, target, _ = make_inputs(n, 16, 150, ignore_every=0 if case != "all-ignored" else 1)
+    hidden, weight = hidden.bfloat16(), weight.bfloat16()
+    if case == "peaked":
+        hidden = (hidden.float() + 3.0 * weight.float()[target]).bfloat16()
+    with tile_path_calls() as calls:
+        new = grads_on_tile_path(hidden, weight, target, memory_budget=2048)
+    if case == "all-ignored":
+        assert new[0].item() == 0.0 and not new[1].any() and not new[2].any()
+        return
+    assert calls["chunks"] >= 1
+    old = grads_on_tile_path(hidden, weight, target, apart=False, memory_budget=2048)
+    ref = float64_grads(hidden, weight, target)
+    for name, n_, o, r in zip(("dX", "dW"), new[1:], old[1:], ref[1:]):
+        assert rel_err(n_, r) <= TILE_MARGIN * rel_err(o, r) + 1e-4, (name, rel_err(n_, r), rel_err(o, r))
+
+
+def test_tile_path_frequent_classes_and_autocast(tile_path):
+    """From ``MIN_CHUNKS`` chunks the most frequent target classes' dW rows are summed in float32 on the tile path
+    too; with a float32 weight under bf16 autocast dW is summed in that float32 gradient, the target column apart."""
+    n, h, v = 160, 32, 300
+    hidden, weight, _, _ = make_inputs(n, h, v, ignore_every=0, seed=4)
+    hidden, weight = hidden.bfloat16(), weight.bfloat16()
+    probs = torch.softmax(hidden.double() @ weight.double().T, -1)
+    target = torch.multinomial(probs.float().cpu(), 1, generator=torch.Generator().manual_seed(5)).squeeze(1)
+    target = target.to(DEVICE)
+    budget = 20 * (v * 4 + engine._scaled_row_bytes(h, 2))
+    ref = float64_grads(hidden, weight, target)
+    with (
+        tile_path_calls() as calls,
+        mock.patch.object(
+            engine._FrequentClassRows, "add", autospec=True, side_effect=engine._FrequentClassRows.add
+        ) as add,
+    ):
+        new = grads_on_tile_path(hidden, weight, target, memory_budget=budget)
+    assert calls["chunks"] >= engine._FrequentClassRows.MIN_CHUNKS and add.call_count == calls["chunks"]
+    old = grads_on_tile_path(hidden, weight, target, apart=False, memory_budget=budget)
+    assert rel_err(new[2], ref[2]) <= TILE_MARGIN * rel_err(old[2], ref[2]), (
+        rel_err(new[2], ref[2]),
+        rel_err(old[2], ref[2]),
+    )
+    # a float32 weight (mixed precision): its gradient is the float32 sum
+    x, w = hidden.float().requires_grad_(), weight.float().requires_grad_()
+    with tile_path_calls(fp32_sum_allowed=True) as calls, torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        hf_flce.fused_linear_cross_entropy(x, w, target, backend="triton", memory_budget=budget).backward()
+    assert calls["chunks"] >= 2 and w.grad.dtype == torch.float32
+    assert rel_err(w.grad, ref[2]) <= TILE_MARGIN * rel_err(old[2], ref[2])
 
 
 @triton.jit

@@ -236,10 +236,12 @@ def _add_segments(value, start, other_value, other_start):
 
 
 @triton.jit
-def _target_terms(order_ptr, pos, ok, c_ptr, x_ptr, stride_xn, x_rows_ptr, cols, col_ok, HAS_ROWS: tl.constexpr):
+def _target_terms(
+    order_ptr, pos, ok, c_ptr, x_ptr, stride_xn, x_rows_ptr, cols, col_ok, HAS_ROWS: tl.constexpr, X_FP16: tl.constexpr
+):
     """``c_i x_i`` (float32 ``[positions, cols]``) of the kept rows at sorted positions ``pos``, 0 where not ``ok``.
     Kept row ``i`` is row ``x_rows[i]`` of ``x`` (a compacted batch) or row ``i``; a float32 ``x`` is rounded to bf16
-    first, as the dW GEMM's operand was (a 16-bit one is that operand)."""
+    (fp16 with ``X_FP16``) first, as the dW GEMM's operand was (a 16-bit one is that operand)."""
     row = tl.load(order_ptr + pos, mask=ok, other=0)
     c = tl.load(c_ptr + row, mask=ok, other=0.0)
     if HAS_ROWS:
@@ -248,7 +250,7 @@ def _target_terms(order_ptr, pos, ok, c_ptr, x_ptr, stride_xn, x_rows_ptr, cols,
         x_ptr + row.to(tl.int64)[:, None] * stride_xn + cols[None, :], mask=ok[:, None] & col_ok[None, :], other=0.0
     )
     if x_ptr.dtype.element_ty == tl.float32:
-        x = x.to(tl.bfloat16)
+        x = x.to(tl.float16 if X_FP16 else tl.bfloat16)
     return c[:, None] * x.to(tl.float32)
 
 
@@ -273,6 +275,7 @@ def _target_rows_kernel(
     ignore_index,
     HAS_ROWS: tl.constexpr,
     HAS_HOT: tl.constexpr,
+    X_FP16: tl.constexpr,
     BP: tl.constexpr,
     BH: tl.constexpr,
 ):
@@ -293,7 +296,7 @@ def _target_rows_kernel(
     ends = in_range & (v != ignore_index) & ((pos + 1 == n) | (after != v))
     starts = (pos == first) | (before != v)
     segment_starts = tl.broadcast_to(starts[:, None], (BP, BH))
-    terms = _target_terms(order_ptr, pos, in_range, c_ptr, x_ptr, stride_xn, x_rows_ptr, cols, col_ok, HAS_ROWS)
+    terms = _target_terms(order_ptr, pos, in_range, c_ptr, x_ptr, stride_xn, x_rows_ptr, cols, col_ok, HAS_ROWS, X_FP16)
     sums, _ = tl.associative_scan((terms, segment_starts), 0, _add_segments)
     # the block's first run may have begun in an earlier block
     first_v = tl.load(sorted_y_ptr + first)
@@ -308,7 +311,7 @@ def _target_rows_kernel(
                 in_run = idx >= 0
                 in_run &= tl.load(sorted_y_ptr + idx, mask=in_run, other=ignore_index) == first_v
                 terms = _target_terms(
-                    order_ptr, idx, in_run, c_ptr, x_ptr, stride_xn, x_rows_ptr, cols, col_ok, HAS_ROWS
+                    order_ptr, idx, in_run, c_ptr, x_ptr, stride_xn, x_rows_ptr, cols, col_ok, HAS_ROWS, X_FP16
                 )
                 earlier += tl.sum(terms, 0)
                 # the run goes on below this block only if all of the block is in it
@@ -380,19 +383,19 @@ def scale_rows(
 class ScaledGradient:
     """A chunk's logits gradient ``G = diag(s) E`` plus the target column ``c`` (module docstring). ``row_scale`` and
     ``target_coef`` are per unit of upstream gradient until ``times`` gives them their per-row upstream scale, unless
-    ``row_scales`` formed them for a 0-d upstream gradient already."""
+    ``row_scales`` formed them for a 0-d upstream gradient already. The tile path's gradient with its target column
+    apart (``TritonTileOps.forward_target_apart``) has no row scale: ``E`` is ``G`` off the target column."""
 
-    e: torch.Tensor  # [rows, V] bf16, 0 at each row's target column
-    row_scale: torch.Tensor  # [rows] float32
+    e: torch.Tensor  # [rows, V] 16-bit, 0 at each row's target column
+    row_scale: torch.Tensor | None  # [rows] float32; None: 1
     target_coef: torch.Tensor  # [rows] float32
     target: torch.Tensor  # [rows] int64
     ignore_index: int
 
     def head(self, rows: int) -> ScaledGradient:
         """The first ``rows`` rows (views)."""
-        return ScaledGradient(
-            self.e[:rows], self.row_scale[:rows], self.target_coef[:rows], self.target[:rows], self.ignore_index
-        )
+        row_scale = None if self.row_scale is None else self.row_scale[:rows]
+        return ScaledGradient(self.e[:rows], row_scale, self.target_coef[:rows], self.target[:rows], self.ignore_index)
 
     def times(self, upstream: torch.Tensor) -> ScaledGradient:
         return ScaledGradient(
@@ -411,6 +414,8 @@ class ScaledGradient:
 
     def x_operand(self, x: torch.Tensor) -> torch.Tensor:
         """``diag(s) x`` in ``E``'s dtype: dW's second operand."""
+        if self.row_scale is None:
+            return x.to(self.e.dtype)
         return self._rows(x, torch.empty(x.shape, dtype=self.e.dtype, device=x.device))
 
     def scale(self, ew: torch.Tensor) -> torch.Tensor:
@@ -427,12 +432,14 @@ class ScaledGradient:
         ignore_index: int,
         dw_upper: torch.Tensor | None = None,
         hot: tuple[torch.Tensor, torch.Tensor] | None = None,
+        operand_dtype: torch.dtype = torch.bfloat16,
     ) -> None:
         """``dW[y_i] += c_i x_i`` over every kept row of a call (in float32, each dW row updated once), after its last
         chunk: one sort and one launch per call. Kept row ``i`` is row ``x_rows[i]`` of ``x``, or row ``i`` without
         ``x_rows``; ``target`` and ``target_coef`` are per kept row. With ``dw_upper``, dW is split in two blocks of
         rows: ``dw`` holds its first ``dw.shape[0]`` rows and ``dw_upper`` the rest. With ``hot = (slot, rows)``,
-        class ``v`` with ``slot[v] >= 0`` has its row at ``rows[slot[v]]`` (float32) instead."""
+        class ``v`` with ``slot[v] >= 0`` has its row at ``rows[slot[v]]`` (float32) instead. A float32 ``x`` is
+        rounded to ``operand_dtype`` first, as the dW GEMM's operand was."""
         n, h = target.shape[0], x.shape[1]
         if n == 0:
             return
@@ -463,6 +470,7 @@ class ScaledGradient:
                 ignore_index,
                 HAS_ROWS=x_rows is not None,
                 HAS_HOT=hot is not None,
+                X_FP16=operand_dtype == torch.float16,
                 BP=bp,
                 BH=bh,
                 num_warps=4,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from typing import TYPE_CHECKING
 
 import torch
 import triton
@@ -19,6 +20,9 @@ from triton.language.extra import libdevice
 from . import cdiv, cuda_properties, next_power_of_2, triton_interpreting
 from .base import TileParams, TileStats, check_columns
 from .triton_launch import launch
+
+if TYPE_CHECKING:
+    from .triton_scaled import ScaledGradient
 
 # Start of the running max: finite, so that exp(m_old - m_new) and (m_old - m_new) * 0 never give NaN.
 _NEG_BIG = tl.constexpr(-3.0e38)
@@ -247,6 +251,7 @@ def _tile_kernel(
     g_ptr,
     stride_gr,
     stride_gc,
+    target_coef_ptr,
     V,
     col_offset,
     ignore_index,
@@ -266,13 +271,15 @@ def _tile_kernel(
     HAS_TEMPERATURE: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     GRAD_OVER_ROW: tl.constexpr,
+    TARGET_APART: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """One row. STATS (forward): computes and stores the row's statistics, else (backward) reads its lse and
     entropy. Then, with any upstream gradient (HAS_GL, HAS_GLP, HAS_GE), writes
     d/dz of g_loss * loss + g_logprob * logp + g_entropy * H (see base.py). Ignored rows read no logits, and get
     zero statistics and a zero gradient. In backward the row's V logits may be a vocabulary chunk's, the columns from
-    ``col_offset`` on (STATS needs the whole row, ``col_offset`` 0)."""
+    ``col_offset`` on (STATS needs the whole row, ``col_offset`` 0). TARGET_APART: the target column is written as 0
+    and its gradient stored in float32 at ``target_coef_ptr + row`` (0 at ignored rows)."""
     row = tl.program_id(0).to(tl.int64)
     y = tl.load(target_ptr + row * stride_y)
     valid = y != ignore_index
@@ -357,6 +364,8 @@ def _tile_kernel(
         g_row = g_ptr + row * stride_gr
         cols = tl.arange(0, BLOCK)
         n_blocks = tl.cdiv(V, BLOCK)
+        y_col = y - col_offset
+        target_grad = tl.zeros((), tl.float32)
         # Backwards from the row's end: in forward the tail was read last, so it is the part most likely still in
         # L2. It also makes a 16-bit gradient written over the second half of the row's own float32 bytes safe: the
         # block at `start` writes bytes [2V + 2 start, ...), i.e. float32 elements >= (V + start) / 2 >= start,
@@ -370,7 +379,7 @@ def _tile_kernel(
                 # Another warp's store below may land on elements this block reads: every load first.
                 tl.debug_barrier()
             t, dt = _transform(z, inv_softcap, t_scale, inv_temperature, HAS_SOFTCAP, HAS_TEMPERATURE)
-            g = logit_grad(fast_exp(t - lse), t, offs == y - col_offset, p_coef, onehot_coef, g_entropy, HAS_GE)
+            g = logit_grad(fast_exp(t - lse), t, offs == y_col, p_coef, onehot_coef, g_entropy, HAS_GE)
             if HAS_GL and HAS_SMOOTHING:
                 if HAS_WEIGHT:
                     g -= smooth_coef * tl.load(weight_ptr + col_offset + offs, mask=in_row, other=0.0)
@@ -378,7 +387,14 @@ def _tile_kernel(
                     g -= smooth_coef
             if HAS_SOFTCAP or HAS_TEMPERATURE:
                 g *= dt
+            if TARGET_APART:
+                is_target = offs == y_col
+                if (y_col >= start) & (y_col < start + BLOCK):
+                    target_grad = tl.sum(tl.where(is_target, g, 0.0), 0)
+                g = tl.where(is_target, 0.0, g)
             tl.store(g_row + offs * stride_gc, g.to(g_row.dtype.element_ty), mask=in_row)
+        if TARGET_APART:
+            tl.store(target_coef_ptr + row, target_grad)
 
 
 @triton.jit
@@ -474,10 +490,12 @@ class TritonTileOps:
         grad_out: torch.Tensor | None,
         stats: TileStats | None,
         first_column: int = 0,
+        target_coef: torch.Tensor | None = None,
     ) -> None:
         """Runs the kernel over every row: ``stats`` given, it fills them (and ``lse``, ``entropy``, which are its
-        fields); else it reads ``lse`` and ``entropy``. Any upstream gradient given, it writes ``grad_out``.
-        ``logits`` holds the vocabulary's columns from ``first_column`` on (backward only)."""
+        fields); else it reads ``lse`` and ``entropy``. Any upstream gradient given, it writes ``grad_out``, with
+        ``target_coef`` (float32 ``[rows]``) its target column there and 0 in ``grad_out``. ``logits`` holds the
+        vocabulary's columns from ``first_column`` on (backward only)."""
         rows, n_cols = logits.shape
         if rows == 0:
             return
@@ -517,6 +535,7 @@ class TritonTileOps:
                 grad,
                 grad.stride(0),
                 grad.stride(1),
+                spare if target_coef is None else target_coef,
                 n_cols,
                 first_column,
                 params.ignore_index,
@@ -536,6 +555,7 @@ class TritonTileOps:
                 HAS_TEMPERATURE=params.inv_temperature != 1.0,
                 HAS_WEIGHT=cw is not None,
                 GRAD_OVER_ROW=grad.dtype != logits.dtype and _same_storage(grad, logits),
+                TARGET_APART=target_coef is not None,
                 BLOCK=block,
                 num_warps=num_warps,
             )
@@ -575,6 +595,28 @@ class TritonTileOps:
         stats = TileStats.empty(rows, logits.device)
         self._launch(logits, target, params, stats.lse, stats.entropy, (grad_scale, None, None), grad_out, stats)
         return stats
+
+    def forward_target_apart(
+        self,
+        logits: torch.Tensor,
+        target: torch.Tensor,
+        params: TileParams,
+        grad_scale: torch.Tensor,
+        grad_out: torch.Tensor,
+    ) -> tuple[TileStats, ScaledGradient]:
+        """``forward`` with the gradient's target column taken out of ``grad_out`` (0 there) and carried per row in
+        float32: the gradient comes back as a ``ScaledGradient`` with unit row scales, whose dX and dW add that column
+        in float32 (``dX = G W + c W[y]``, ``dW = G^T X + sum_i c_i e_{y_i} x_i^T``). A 16-bit ``grad_out`` then rounds
+        only the softmax part, so dW can be summed across chunks in the 16-bit gradient itself (``engine.
+        _dw_sum_in_weight_dtype``)."""
+        from .triton_scaled import ScaledGradient  # it builds on this module's kernels
+
+        rows = logits.shape[0]
+        stats = TileStats.empty(rows, logits.device)
+        coef = torch.empty(rows, dtype=torch.float32, device=logits.device)
+        upstream = (grad_scale, None, None)
+        self._launch(logits, target, params, stats.lse, stats.entropy, upstream, grad_out, stats, 0, coef)
+        return stats, ScaledGradient(grad_out, None, coef, target, params.ignore_index)
 
     def backward(
         self,
