@@ -38,17 +38,14 @@ def model_and_inputs(name: str, tie: bool) -> tuple[torch.nn.Module, dict[str, t
 
 
 @pytest.fixture
-def float32_convolutions():
+def float32_convolutions(monkeypatch):
     """cuDNN convolutions in full float32 for the test. cuDNN runs float32 convolutions in TF32 by default
     (``torch.backends.cudnn.allow_tf32``), which rounds a vision tower's patch-embedding gradient inputs to 10 bits:
     the last-bit differences the fused head leaves in the hidden states' gradient then move that weight's gradient by
     up to 1.6x this comparison's tolerance (Qwen4-Exp 1.4-1.6x, Qwen3-VL-MoE 0.9x, Qwen2.5-VL 0.7x; against stock
     with its head in float32 or in float64). In float32 every parameter of every class stays within 0.04x of it
     (H100, transformers 5.17 and 5.24)."""
-    previous = torch.backends.cudnn.allow_tf32
-    torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cudnn.allow_tf32 = previous
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
 
 
 @TIE

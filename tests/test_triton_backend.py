@@ -437,11 +437,12 @@ def grads_on_tile_path(hidden, weight, target, apart=True, **opts):
     return loss.detach(), leaves[0].grad, leaves[1].grad
 
 
-def float64_grads(hidden, weight, target, **opts):
+def float64_grads(hidden, weight, target, upstream=1.0, **opts):
+    """Loss and the gradients of hidden and weight from the float64 reference, for ``upstream`` times the loss."""
     leaves = [t.detach().double().requires_grad_() for t in (hidden, weight)]
     opts = {k: (v.double() if torch.is_tensor(v) else v) for k, v in opts.items() if k != "memory_budget"}
     loss = hf_flce.reference_linear_cross_entropy(*leaves, target, **opts)[0]
-    loss.backward()
+    (loss * upstream).backward()
     return loss.detach(), leaves[0].grad, leaves[1].grad
 
 

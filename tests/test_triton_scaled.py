@@ -11,6 +11,7 @@ from unittest import mock
 import pytest
 import torch
 from test_triton_backend import DEVICE, build, check, make_inputs, rel_err
+from test_triton_backend import float64_grads as reference_grads
 from test_triton_gemm import epilogue_on, params_for  # noqa: F401 (autouse: the epilogue path on every device)
 
 import hf_flce
@@ -38,14 +39,6 @@ def grads(hidden, weight, target, scaled, upstream=1.0, **opts):
     with mock.patch.dict(os.environ, {"HF_FLCE_SCALED_GRAD": "1" if scaled else "0"}):
         loss = hf_flce.fused_linear_cross_entropy(*leaves, target, backend="triton", **opts)
         (loss * upstream).backward()
-    return loss.detach(), leaves[0].grad, leaves[1].grad
-
-
-def reference_grads(hidden, weight, target, upstream=1.0, **opts):
-    leaves = [t.detach().double().requires_grad_() for t in (hidden, weight)]
-    opts.pop("memory_budget", None)
-    loss = hf_flce.reference_linear_cross_entropy(*leaves, target, **opts)[0]
-    (loss * upstream).backward()
     return loss.detach(), leaves[0].grad, leaves[1].grad
 
 

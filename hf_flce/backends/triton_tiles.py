@@ -379,7 +379,8 @@ def _tile_kernel(
                 # Another warp's store below may land on elements this block reads: every load first.
                 tl.debug_barrier()
             t, dt = _transform(z, inv_softcap, t_scale, inv_temperature, HAS_SOFTCAP, HAS_TEMPERATURE)
-            g = logit_grad(fast_exp(t - lse), t, offs == y_col, p_coef, onehot_coef, g_entropy, HAS_GE)
+            is_target = offs == y_col
+            g = logit_grad(fast_exp(t - lse), t, is_target, p_coef, onehot_coef, g_entropy, HAS_GE)
             if HAS_GL and HAS_SMOOTHING:
                 if HAS_WEIGHT:
                     g -= smooth_coef * tl.load(weight_ptr + col_offset + offs, mask=in_row, other=0.0)
@@ -388,7 +389,6 @@ def _tile_kernel(
             if HAS_SOFTCAP or HAS_TEMPERATURE:
                 g *= dt
             if TARGET_APART:
-                is_target = offs == y_col
                 if (y_col >= start) & (y_col < start + BLOCK):
                     target_grad = tl.sum(tl.where(is_target, g, 0.0), 0)
                 g = tl.where(is_target, 0.0, g)
