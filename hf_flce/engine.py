@@ -231,7 +231,7 @@ def _column_buffers_fit(plan: CallPlan, n_rows: int, x, w_c, weight, gathered: b
     need_dx, need_dw = needs
     gathered_bytes = w_c.element_size() if gathered or w_c.dtype != x.dtype else 0
     row_bytes = x.shape[1] * ((4 if need_dx else 0) + gathered_bytes)
-    limit = _accumulator_bytes(_residual_dw(plan, x, weight), weight, True) if need_dw else plan.budget
+    limit = _accumulator_bytes(weight, True) if need_dw else plan.budget
     return n_rows * row_bytes < limit
 
 
@@ -444,8 +444,7 @@ class _FrequentClassRows:
 
 class _GradBuffers:
     """dX rows, dW (written once when there is a single chunk; across several, summed in the 16-bit gradient itself
-    with ``dw_in_weight_dtype`` (``_dw_sum_in_weight_dtype``), by ``residual``'s ``ResidualDW`` when given, else in
-    float32: ``_SplitDWSum`` for a 16-bit weight, the gradient itself for a float32 one) and db for one gradient
+    with ``dw_in_weight_dtype`` (``_dw_sum_in_weight_dtype``), else in float32: ``_SplitDWSum`` for a 16-bit weight, the gradient itself for a float32 one) and db for one gradient
     pass. ``scaled_target``: a scaled gradient's targets (per kept row), whose most frequent classes' dW rows are
     summed in float32 where dW is 16-bit (``_FrequentClassRows``).
     ``weight`` is the GEMM operand; the gradients come out in ``x_dtype`` and ``weight_dtype``. ``chunk_bytes``: what
@@ -464,7 +463,6 @@ class _GradBuffers:
         need_dw,
         need_db,
         rows=None,
-        residual=None,
         chunk_bytes=0,
         dw_in_weight_dtype=False,
         scaled_target=None,
@@ -478,12 +476,10 @@ class _GradBuffers:
         self.single = n_chunks == 1
         self.dw = None
         self.need_dw = need_dw
-        self.residual = self.dw_sum = None
+        self.dw_sum = None
         # the dtype dW is summed in across chunks
         self.sum_dtype = weight_dtype if weight_dtype == torch.float32 or self.single or dw_in_weight_dtype else None
-        if need_dw and residual is not None and self.sum_dtype is None:
-            self.residual = residual.ResidualDW(tuple(weight.shape), weight_dtype, weight.device, n_chunks)
-        elif need_dw and self.sum_dtype is None and _SplitDWSum.lowers_the_peak(weight, weight_dtype, chunk_bytes):
+        if need_dw and self.sum_dtype is None and _SplitDWSum.lowers_the_peak(weight, weight_dtype, chunk_bytes):
             self.dw_sum = _SplitDWSum(weight.shape[0])
         self.frequent = None
         if need_dw and dw_in_weight_dtype and scaled_target is not None:
@@ -512,9 +508,7 @@ class _GradBuffers:
                 torch.mm(grad_logits, self.weight, out=self.dx[start:end])
             else:
                 self.dx[start:end] = mm_fp32(grad_logits, self.weight)
-        if self.residual is not None:
-            self.residual.add(grad_logits, x_chunk)
-        elif self.need_dw:
+        if self.need_dw:
             self._add_dw(grad_logits, x_chunk)
         if self.db is not None:
             self.db += grad_logits.sum(0, dtype=torch.float32)
@@ -575,12 +569,7 @@ class _GradBuffers:
         assert not self.target_coefs, "a scaled gradient's target rows are added (add_target_rows) before finish"
         scale_into = scale_into or (lambda src, s, out: torch.mul(src, s, out=out))
         dx, dw, db = self.dx, None, self.db
-        if self.residual is not None:
-            # the 16-bit gradient itself; a scale that is not a power of two rounds it once more
-            dw = self.residual.result()
-            dw = dw if scale is None else scale_into(dw, scale, dw)
-            self.residual = None
-        elif self.dw_sum is not None and self.dw_sum.blocks is not None:
+        if self.dw_sum is not None and self.dw_sum.blocks is not None:
             dw = self.dw_sum.result(self.weight_dtype, scale, scale_into)
         elif self.need_dw:
             out = dict(dtype=self.weight_dtype, device=self.weight.device)
@@ -627,33 +616,22 @@ def _gemm_path_allowed(plan: CallPlan, weight: torch.Tensor) -> bool:
     )
 
 
-def _residual_dw(plan: CallPlan, x: torch.Tensor, weight: torch.Tensor):
-    """The backend's dW summation into the 16-bit gradient plus an int8 residual (``backends/triton_dw.py``) when it
-    offers one (opt-in) and this call fits it, else None (a float32 accumulator)."""
-    residual = getattr(plan.tiles, "residual_dw", None)
-    dtype = plan.compute_dtype or x.dtype
-    return residual if residual is not None and residual.supports(dtype, weight.dtype, weight.device) else None
-
-
-def _accumulator_bytes(residual, weight: torch.Tensor, need_dw: bool, in_weight_dtype: bool = False) -> int:
-    """Memory that summing dW across chunks takes: none in the gradient itself (``_dw_sum_in_weight_dtype``), an int8
-    residual, or a float32 accumulator (for a float32 weight that is the gradient itself; one chunk is still taken up
-    to that size, which saves the accumulator's traffic)."""
+def _accumulator_bytes(weight: torch.Tensor, need_dw: bool, in_weight_dtype: bool = False) -> int:
+    """Memory that summing dW across chunks takes: none in the gradient itself (``_dw_sum_in_weight_dtype``), or a
+    float32 accumulator (for a float32 weight that is the gradient itself; one chunk is still taken up to that size,
+    which saves the accumulator's traffic)."""
     if not need_dw or in_weight_dtype:
         return 0
-    return weight.numel() * (1 if residual is not None else 4)
+    return weight.numel() * 4
 
 
-def _plan_rows(plan: CallPlan, n_rows: int, vocab: int, per_logit, residual, accumulator: int, logits_16bit):
-    """Rows per chunk. The budget covers the chunk buffers and an int8 dW residual (``V H`` bytes): the memory the
-    call takes beyond its inputs and gradients stays within it, chunks getting at least a quarter. A float32
-    accumulator (no residual GEMM: before Hopper, or on CPU) comes on top of the budget: it is 4 bytes per weight,
-    and every extra chunk would cost a pass over it."""
-    budget = max(plan.budget - accumulator, plan.budget // 4) if residual is not None else plan.budget
-    chunk = plan_chunk_rows(n_rows, vocab, per_logit, budget, accumulator)
+def _plan_rows(plan: CallPlan, n_rows: int, vocab: int, per_logit, accumulator: int, logits_16bit):
+    """Rows per chunk: the chunk buffers stay within the budget. A float32 dW accumulator (``_accumulator_bytes``)
+    comes on top of it: it is 4 bytes per weight, and every extra chunk would cost a pass over it."""
+    chunk = plan_chunk_rows(n_rows, vocab, per_logit, plan.budget, accumulator)
     if logits_16bit and accumulator and chunk < n_rows:
         # several chunks: dw_product upcasts each chunk's 16-bit gradient (CPU has no float32-output GEMM)
-        chunk = plan_chunk_rows(n_rows, vocab, per_logit + 4, budget, accumulator)
+        chunk = plan_chunk_rows(n_rows, vocab, per_logit + 4, plan.budget, accumulator)
     return chunk
 
 
@@ -888,12 +866,11 @@ def _forward(x, weight, bias, target, plan: CallPlan, needs_input_grad) -> tuple
         if result is not None:
             return result
     ignore_index = plan.params.ignore_index
-    residual = _residual_dw(plan, x, weight) if eager else None
-    # the gradient as E and row scales (no pass over the logits): not into an int8 residual
-    scaled = eager and residual is None and _scaled_gradient(plan, fused, w_c, bias)
-    tiles_apart = eager and residual is None and _tile_target_apart(plan, fused, x, bias)
+    # the gradient as E and row scales (no pass over the logits)
+    scaled = eager and _scaled_gradient(plan, fused, w_c, bias)
+    tiles_apart = eager and _tile_target_apart(plan, fused, x, bias)
     dw_in_weight_dtype = _dw_sum_in_weight_dtype(scaled or tiles_apart, weight)
-    accumulator = _accumulator_bytes(residual, weight, eager and need_dw, dw_in_weight_dtype)
+    accumulator = _accumulator_bytes(weight, eager and need_dw, dw_in_weight_dtype)
     logits_16bit = fused is None and _logits_16bit(plan, x, bias)
     if fused is not None:
         # without a gradient in forward only the partial statistics take memory; kept logits are one chunk
@@ -911,7 +888,7 @@ def _forward(x, weight, bias, target, plan: CallPlan, needs_input_grad) -> tuple
     # accumulator it saves, sizing it by every row would spend up to that accumulator more.
     deferred = False
     if scaled and n > 0 and _can_compact(x.device):
-        chunk = _plan_rows(plan, n, vocab, per_logit, residual, accumulator, logits_16bit)
+        chunk = _plan_rows(plan, n, vocab, per_logit, accumulator, logits_16bit)
         deferred = chunk * vocab * per_logit <= plan.budget
     if deferred:
         compaction = _DeviceCompaction.start(fused, target, vocab, ignore_index)
@@ -920,7 +897,7 @@ def _forward(x, weight, bias, target, plan: CallPlan, needs_input_grad) -> tuple
         rows, ys = kept_rows(target, vocab, ignore_index, _can_compact(x.device), fused)
     n_valid = ys.shape[0]
     if not deferred:
-        chunk = _plan_rows(plan, n_valid, vocab, per_logit, residual, accumulator, logits_16bit)
+        chunk = _plan_rows(plan, n_valid, vocab, per_logit, accumulator, logits_16bit)
     n_chunks = max(1, cdiv(n_valid, chunk))
     keep_logits = (
         need_grad and not eager and n_valid > 0 and n_valid * vocab * kept_per_logit <= _keep_limit(plan, x.device)
@@ -967,7 +944,6 @@ def _forward(x, weight, bias, target, plan: CallPlan, needs_input_grad) -> tuple
             need_dw,
             need_db,
             rows,
-            residual,
             chunk_bytes,
             dw_in_weight_dtype,
             ys if scaled or tiles_apart else None,
@@ -1173,9 +1149,8 @@ def _recompute_grads(
         per_logit = x.dtype.itemsize if plan.compute_dtype is None else plan.compute_dtype.itemsize
     else:
         per_logit = _bytes_per_logit(plan, plan.compute_dtype or x.dtype, logits_16bit)
-    residual = _residual_dw(plan, x, weight)
-    accumulator = _accumulator_bytes(residual, weight, need_dw)
-    chunk = _plan_rows(plan, n_valid, weight.shape[0], per_logit, residual, accumulator, logits_16bit)
+    accumulator = _accumulator_bytes(weight, need_dw)
+    chunk = _plan_rows(plan, n_valid, weight.shape[0], per_logit, accumulator, logits_16bit)
     if kept is not None:
         chunk = max(n_valid, 1)
     n_chunks = max(1, cdiv(n_valid, chunk))
@@ -1212,9 +1187,7 @@ def _recompute_grads(
             kept,
         )
     chunk_bytes = chunk * weight.shape[0] * per_logit
-    grads = _GradBuffers(
-        n, x.dtype, w_c, weight.dtype, n_chunks, need_dx, need_dw, need_db, rows, residual, chunk_bytes
-    )
+    grads = _GradBuffers(n, x.dtype, w_c, weight.dtype, n_chunks, need_dx, need_dw, need_db, rows, chunk_bytes)
     for start, end in _chunks(n_valid, chunk):
         x_chunk = _chunk_rows(x, rows, start, end, plan)
         sl = slice(start, end)

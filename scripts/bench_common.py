@@ -164,12 +164,6 @@ def with_triton_backend(fn: Callable[..., Any], **options: Any) -> Callable[...,
     return call
 
 
-def with_residual_dw(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` with dW summed in the bf16 gradient plus an int8 residual (what ``HF_FLCE_DW_RESIDUAL=1`` does for a
-    whole process): the "ours_lean" provider of the benchmarks."""
-    return with_triton_backend(fn, dw_residual=True)
-
-
 def with_tile_path(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` on cuBLAS float32 logits and the tile passes, the path GPUs before Hopper take (what
     ``HF_FLCE_GEMM_EPILOGUE=0`` does for a whole process): the "ours_tile_path" providers of the kernel benchmark."""

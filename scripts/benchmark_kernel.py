@@ -11,7 +11,6 @@ Providers (each missing one is reported as ``n/a`` with its import error; a fail
                calls it (ignored rows compacted first); loss ``-logp.sum() / count``
   torch_lce    ``torch.nn.functional.linear_cross_entropy`` with ``LinearCrossEntropyOptions()`` (chunked), if present
   ours         ``hf_flce.fused_linear_cross_entropy`` (backend ``triton`` on CUDA, ``torch`` on CPU, ``ascend`` on NPU)
-  ours_lean    the same with dW summed in the bf16 gradient plus an int8 residual (``HF_FLCE_DW_RESIDUAL=1``; CUDA)
   ours_fp32_sum  ``ours`` with dW summed across chunks in float32 (``HF_FLCE_DW_FP32_SUM=1``), the default before v46;
                not in the default list
   ours_no_frequent  ``ours`` with every dW row in the 16-bit sum (``HF_FLCE_DW_FREQUENT_CLASSES=0``), the default
@@ -93,7 +92,6 @@ from bench_common import (  # noqa: E402
     save_figure,
     setup_run,
     with_env,
-    with_residual_dw,
     with_tile_path,
     write_json,
 )
@@ -152,7 +150,7 @@ class DeviceDefaults:
     kept_whole: tuple[str, ...] = ()  # more pertoken shapes: logits kept whole from forward to backward
 
 
-_ALL_PEERS = ("stock", "compile", "liger", "cce", "cce_nofilter", "trl", "torch_lce", "ours", "ours_lean")
+_ALL_PEERS = ("stock", "compile", "liger", "cce", "cce_nofilter", "trl", "torch_lce", "ours")
 DEFAULTS = {
     "cuda": DeviceDefaults(
         tuple(s.name for s in GPU_SHAPES),
@@ -284,7 +282,6 @@ PROVIDERS = {
     "trl": ProviderSpec(_trl),
     "torch_lce": ProviderSpec(_torch_lce, softcap=False),
     "ours": ProviderSpec(_ours),
-    "ours_lean": ProviderSpec(lambda kind: with_residual_dw(_ours(kind)), devices=("cuda",)),
     "ours_fp32_sum": ProviderSpec(lambda kind: with_env(_ours(kind), HF_FLCE_DW_FP32_SUM="1")),
     "ours_no_frequent": ProviderSpec(lambda kind: with_env(_ours(kind), HF_FLCE_DW_FREQUENT_CLASSES="0")),
     "ours_tile_path": ProviderSpec(lambda kind: with_tile_path(_ours(kind)), devices=("cuda",)),

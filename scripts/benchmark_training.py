@@ -8,7 +8,6 @@ as prompt (label -100); ``model(input_ids, labels=labels).loss``, backward, opti
          other kernel (rope, rms_norm, swiglu, ...) off
   trl    ``trl.trainer.utils.add_fused_lm_head(model)``, called with ``fused_lm_head=True`` (its ``.loss``)
   ours   ``hf_flce.apply_flce(model)``
-  ours_lean  the same with dW summed in the bf16 gradient plus an int8 residual (what ``HF_FLCE_DW_RESIDUAL=1`` does)
   ours_late  ``hf_flce.apply_flce(model, defer_head_grad=True)``: lm_head's dW at the end of the backward
   ours_fp32_sum  ``ours`` with dW summed across chunks in float32 (``HF_FLCE_DW_FP32_SUM=1``), the default before
          v46; not in the default list
@@ -71,7 +70,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 import bench_common as bc  # noqa: E402
 
 IGNORE = -100
-PROVIDERS = ("stock", "liger", "trl", "ours", "ours_lean", "ours_late")
+PROVIDERS = ("stock", "liger", "trl", "ours", "ours_late")
 DPO_PROVIDERS = ("stock", "liger", "trl", "ours")
 GRPO_PROVIDERS = DPO_PROVIDERS
 TASK_PROVIDERS = {"sft": PROVIDERS, "dpo": DPO_PROVIDERS, "grpo": GRPO_PROVIDERS}
@@ -82,7 +81,7 @@ DPO_BETA = 0.1
 DPO_POLICY_OUTPUTS = ("log_probs", "entropy", "mean_logits", "is_top1")
 # ... and those GRPOTrainer asks of the policy's (the entropy for its metric and the optional entropy bonus).
 GRPO_POLICY_OUTPUTS = ("log_probs", "entropy")
-CUDA_ONLY = {"liger": "n/a: Liger's kernels need CUDA", "ours_lean": "n/a: the residual dW GEMM is a CUDA kernel"}
+CUDA_ONLY = {"liger": "n/a: Liger's kernels need CUDA"}
 
 _TINY = {
     "hidden_size": 64,
@@ -231,7 +230,7 @@ def patch(provider: str, model) -> Callable[[torch.Tensor, torch.Tensor], torch.
         return lambda ids, labels: model(input_ids=ids, labels=labels, fused_lm_head=True).loss
     if provider == "liger":
         _apply_liger(model)
-    elif provider in ("ours", "ours_lean", "ours_late", "ours_fp32_sum"):
+    elif provider in ("ours", "ours_late", "ours_fp32_sum"):
         from hf_flce import apply_flce
 
         model = apply_flce(model, defer_head_grad=provider == "ours_late") or model
@@ -240,7 +239,7 @@ def patch(provider: str, model) -> Callable[[torch.Tensor, torch.Tensor], torch.
     loss_fn = lambda ids, labels: model(input_ids=ids, labels=labels).loss  # noqa: E731
     if provider == "ours_fp32_sum":
         return bc.with_env(loss_fn, HF_FLCE_DW_FP32_SUM="1")
-    return bc.with_residual_dw(loss_fn) if provider == "ours_lean" else loss_fn
+    return loss_fn
 
 
 def _sigmoid_dpo_loss(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:

@@ -194,7 +194,7 @@ def test_training_benchmark_dpo_step_smoke(tmp_path: Path) -> None:
     assert abs(first["stock"] - exact) < 1e-1, (first, exact)
     assert "DPO" in (tmp_path / "training_dpo.md").read_text()
     with pytest.raises(SystemExit):
-        training.main([*argv[:-2], "--providers", "ours_lean", "--out", str(tmp_path)])
+        training.main([*argv[:-2], "--providers", "ours_late", "--out", str(tmp_path)])
 
 
 def test_training_benchmark_grpo_step(tmp_path: Path) -> None:

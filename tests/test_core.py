@@ -14,6 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 import hf_flce
 from hf_flce import engine, reference_linear_cross_entropy
+from hf_flce.backends import resolve_backend
 
 OPTIONS = {
     "label_smoothing": 0.15,
@@ -718,3 +719,25 @@ def test_cpu_top1_with_ties_and_nan_rows_is_argmax():
         y[5] = -100
         stats = TorchTileOps().forward(z, y, TileParams(50, -100, 0.0, 0.0, None, 1.0, None, None))
         assert torch.equal(stats.is_top1, (z.float().argmax(1) == y) & (y != -100))
+
+
+def test_chunk_plan_puts_the_float32_accumulator_beside_the_budget():
+    # Chunks get the whole budget; a float32 dW accumulator (4 V H bytes) comes on top of it, so one chunk is taken
+    # whenever it costs no more than that accumulator plus a budget-sized chunk. dW summed in the gradient itself
+    # (or not wanted) takes nothing.
+    plan = engine.CallPlan(resolve_backend("torch", "cpu"), None, "scalar", lambda: None, budget=1000, grad_mode=True)
+    weight = torch.empty(40, 10, dtype=torch.bfloat16)
+    assert engine._accumulator_bytes(weight, True) == 1600
+    assert engine._accumulator_bytes(weight.float(), True) == 1600
+    assert engine._accumulator_bytes(weight, True, in_weight_dtype=True) == 0
+    assert engine._accumulator_bytes(weight, False) == 0
+    # 100 rows of 10 bytes: 1000 bytes, within the budget
+    assert engine._plan_rows(plan, 100, 10, 1.0, 0, False) == 100
+    # 2000 bytes without an accumulator: two balanced chunks
+    assert engine._plan_rows(plan, 200, 10, 1.0, 0, False) == 100
+    assert engine._plan_rows(plan, 250, 10, 1.0, 0, False) == 84
+    # with a 1600-byte accumulator 2000 bytes take one chunk; 10000 bytes take chunks of the budget
+    assert engine._plan_rows(plan, 200, 10, 1.0, 1600, False) == 200
+    assert engine._plan_rows(plan, 1000, 10, 1.0, 1600, False) == 100
+    # 16-bit logits on CPU over several chunks: the float32 upcast of each chunk's gradient is budgeted (6 B/logit)
+    assert engine._plan_rows(plan, 1000, 10, 2.0, 1600, True) == 16

@@ -9,7 +9,6 @@ The bounds, beyond the two gradients (dX, dW) and the inputs:
   chunk is taken when it is no larger than the sum plus the budget, so the sum's size bounds that case too at these N);
   at the in-model budget (512 MiB), the sum's half that is not the gradient (``2 V H``) plus the budget: the sum is
   cast into its own memory, so the cast never holds ``6 V H`` bytes;
-- lean (``HF_FLCE_DW_RESIDUAL=1``): the budget, which covers the int8 residual and the chunks.
 Each plus 96 MiB for the small per-row buffers and cuBLAS's workspace.
 """
 
@@ -36,7 +35,7 @@ SLACK = 96 * MiB
 
 
 def extra_beyond_grads(
-    n: int, lean: bool, budget: int | None = None, fp32_sum: bool = False, tile_path: bool = False
+    n: int, budget: int | None = None, fp32_sum: bool = False, tile_path: bool = False
 ) -> tuple[float, float]:
     """(peak bytes of one fwd+bwd above the inputs, minus dX and dW; the float32 accumulator's size). ``tile_path``:
     cuBLAS float32 logits and the tile passes, as before Hopper."""
@@ -47,10 +46,7 @@ def extra_beyond_grads(
     w = (torch.randn(V, H, device="cuda", generator=gen) * 0.02).to(torch.bfloat16).requires_grad_()
     y = torch.randint(0, V, (n,), device="cuda", generator=gen)
     y[::17] = -100
-    if lean or tile_path:
-        tiles = TritonTileOps(dw_residual=lean, gemm_epilogue=False if tile_path else None)
-    else:
-        tiles = resolve_backend("triton", x.device)
+    tiles = TritonTileOps(gemm_epilogue=False) if tile_path else resolve_backend("triton", x.device)
 
     def step():
         with (
@@ -67,16 +63,12 @@ def extra_beyond_grads(
     return peak - grads, 4 * V * H
 
 
-def hopper() -> bool:
-    return torch.cuda.get_device_capability(0)[0] >= 9
-
-
 @pytest.mark.parametrize("budget", [None, 512 * MiB], ids=["op-budget", "in-model-budget"])
 @pytest.mark.parametrize("n", [8192, 32768, 65536])
 def test_default_stays_within_the_budget(n, budget):
     """Issue #6's target 2: within the budget beyond the gradients at every N (dW summed in the bf16 gradient, the
     target column apart)."""
-    beyond, _ = extra_beyond_grads(n, lean=False, budget=budget)
+    beyond, _ = extra_beyond_grads(n, budget=budget)
     bound = budget or GiB
     assert beyond <= bound + SLACK, f"{beyond / GiB:.3f} GiB beyond the gradients (bound {bound / GiB:.3f})"
 
@@ -86,30 +78,22 @@ def test_default_stays_within_the_budget(n, budget):
 def test_tile_path_stays_within_the_budget(n, budget):
     """The tile path (GPUs before Hopper) on any GPU: within the budget beyond the gradients too, since v48 sums dW
     in the bf16 gradient with its target column apart (before: the float32 sum's ``4 V H``)."""
-    beyond, _ = extra_beyond_grads(n, lean=False, budget=budget, tile_path=True)
+    beyond, _ = extra_beyond_grads(n, budget=budget, tile_path=True)
     bound = budget or GiB
     assert beyond <= bound + SLACK, f"{beyond / GiB:.3f} GiB beyond the gradients (bound {bound / GiB:.3f})"
 
 
 @pytest.mark.parametrize("n", [8192, 32768])
 def test_fp32_sum_stays_within_the_accumulator(n):
-    beyond, accumulator = extra_beyond_grads(n, lean=False, fp32_sum=True)
+    beyond, accumulator = extra_beyond_grads(n, fp32_sum=True)
     assert beyond <= accumulator + SLACK, (
         f"{beyond / GiB:.3f} GiB beyond the gradients (accumulator {accumulator / GiB:.3f})"
     )
 
 
-@pytest.mark.parametrize("n", [8192, 32768])
-def test_lean_stays_within_the_budget(n):
-    if not hopper():
-        pytest.skip("the residual dW GEMM runs on Hopper and newer")
-    beyond, _ = extra_beyond_grads(n, lean=True)
-    assert beyond <= GiB + SLACK, f"{beyond / GiB:.3f} GiB beyond the gradients"
-
-
 def test_in_model_budget_casts_the_accumulator_in_place():
     budget = 512 * MiB
-    beyond, accumulator = extra_beyond_grads(32768, lean=False, budget=budget, fp32_sum=True)
+    beyond, accumulator = extra_beyond_grads(32768, budget=budget, fp32_sum=True)
     assert beyond <= accumulator // 2 + budget + SLACK, (
         f"{beyond / GiB:.3f} GiB beyond the gradients (half the accumulator {accumulator / 2 / GiB:.3f} + the budget)"
     )

@@ -90,8 +90,6 @@ class TileOps(Protocol):
     # ``gradient`` and ``recompute_gradient`` (``first_column=``: a vocabulary chunk of the head's rows; both take
     # ``target_apart=``: 0 at each row's target column), ``target_gradient`` (that column in float32),
     # ``add_target_rows`` (its ``dW[y_i] += c_i x_i``) and ``bytes_per_logit`` (``triton_gemm``).
-    # Optional: ``residual_dw``, for calls it ``supports``, a ``ResidualDW`` that sums the chunks' dW into the 16-bit
-    # gradient plus an int8 residual instead of a float32 accumulator (``triton_dw``).
     # Optional: ``gemm_min_capability``, the CUDA compute capability (major) below which the engine does not take
     # ``fused_head`` (0: any device it supports).
     # Optional: ``scale_into(src, scale, out) -> out``, ``out = src * scale`` with a float32 0-d ``scale``, for the

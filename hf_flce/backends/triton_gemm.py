@@ -166,16 +166,6 @@ def grouped_block(tile, tiles_m, per_group, GROUP_M):
 
 
 @triton.jit
-def grouped_tile(tile, tiles_m, per_group, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
-    """Tile ``tile`` of an ``[M, N]`` output in grouped order (``grouped_block``): its block indices, row and column
-    indices, and their in-range masks."""
-    pid_m, pid_n = grouped_block(tile, tiles_m, per_group, GROUP_M)
-    rows = pid_m * BM + tl.arange(0, BM)
-    cols = pid_n * BN + tl.arange(0, BN)
-    return pid_m, pid_n, rows, cols, rows < M, cols < N
-
-
-@triton.jit
 def _row_coefs(
     rows,
     valid,

@@ -443,7 +443,6 @@ class TritonTileOps:
         block: int | None = None,
         num_warps: int | None = None,
         gemm_epilogue: bool | None = None,
-        dw_residual: bool | None = None,
     ):
         self.block = block
         self.num_warps = num_warps
@@ -453,16 +452,9 @@ class TritonTileOps:
         # uses it on every GPU, ``=0`` (``False``) never.
         if gemm_epilogue is None:
             gemm_epilogue = {"1": True, "0": False}.get(os.environ.get("HF_FLCE_GEMM_EPILOGUE", "auto"))
-        # dW summed across chunks into the 16-bit gradient plus an int8 residual (``triton_dw``): V H bytes instead
-        # of a 4 V H float32 accumulator, and the budget covers it. Opt-in (``HF_FLCE_DW_RESIDUAL=1`` or
-        # ``dw_residual=True``): even its Hopper kernel (hopper_dw) runs a middle chunk at 1.3-1.5x cuBLAS's bf16
-        # GEMM, so fwd+bwd goes from 1.05x to 1.16x the floor on llama3-8b (docs/PERF_NOTES.md, v9).
-        if dw_residual is None:
-            dw_residual = os.environ.get("HF_FLCE_DW_RESIDUAL", "0") == "1"
-        from . import triton_dw, triton_gemm  # they build on this module's jit helpers
+        from . import triton_gemm  # it builds on this module's jit helpers
 
         self.fused_head = None if gemm_epilogue is False else triton_gemm
-        self.residual_dw = triton_dw if dw_residual else None
         self.gemm_min_capability = 9 if gemm_epilogue is None else 0
 
     def _config(self, vocab: int, rows: int, device: torch.device) -> tuple[int, int]:
