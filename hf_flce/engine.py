@@ -255,8 +255,9 @@ def _vocab_chunks() -> bool:
 
 def _target_column_apart() -> bool:
     """Whether a recomputing backward over vocabulary chunks (``recompute_gradient(target_apart=)``,
-    ``target_gradient``) and a scalar loss on the tile path (``_tile_target_apart``) take each row's target column out
-    of the 16-bit gradient and add it in float32; ``HF_FLCE_TARGET_APART=0`` keeps it in (for A/B measurements)."""
+    ``target_gradient``) and a scalar loss without a scaled gradient (``_gradient_target_apart``) take each row's
+    target column out of the 16-bit gradient and add it in float32; ``HF_FLCE_TARGET_APART=0`` keeps it in (for A/B
+    measurements)."""
     return os.environ.get("HF_FLCE_TARGET_APART", "1") != "0"
 
 
@@ -275,19 +276,21 @@ def _dw_sum_in_weight_dtype(scaled: bool, weight: torch.Tensor) -> bool:
     return scaled and weight.dtype.itemsize == 2 and not env_flag("HF_FLCE_DW_FP32_SUM")
 
 
-def _tile_target_apart(plan: CallPlan, fused, x: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether a scalar loss on the tile path (cuBLAS float32 logits and the tile passes: GPUs before Hopper,
-    class-weighted calls) writes its 16-bit logits gradient with each row's target column taken out and carried in
-    float32 (the backend's ``forward_target_apart``), as the epilogue path's scaled gradient does: the 16-bit sums of
-    dW then round only its softmax part, so they are kept in the gradient itself (``_dw_sum_in_weight_dtype``), with
-    no float32 ``[V, H]`` sum. Not with a bias (its gradient would need the column too) nor for DFT (whose per-row
-    factor comes after the pass); ``HF_FLCE_TARGET_APART=0`` keeps the column in."""
+def _gradient_target_apart(plan: CallPlan, fused, x: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether a scalar loss whose gradient is not a scaled one (``_scaled_gradient``) writes its 16-bit logits
+    gradient with each row's target column taken out and carried in float32, as the scaled gradient does: the
+    16-bit sums of dW then round only its softmax part, so they are kept in the gradient itself
+    (``_dw_sum_in_weight_dtype``), with no float32 ``[V, H]`` sum. On the tile path (cuBLAS float32 logits and the
+    tile passes: GPUs before Hopper, class-weighted calls) the backend's ``forward_target_apart`` does it; on the
+    epilogue path (fp16 operands, label smoothing) ``fused.gradient_target_apart``. Not with a bias (its gradient
+    would need the column too) nor for DFT (whose per-row factor comes after the pass); ``HF_FLCE_TARGET_APART=0``
+    keeps the column in."""
+    backend, method = (plan.tiles, "forward_target_apart") if fused is None else (fused, "gradient_target_apart")
     return (
-        fused is None
-        and bias is None
+        bias is None
         and not plan.prob_weighted
         and (plan.compute_dtype or x.dtype).itemsize == 2
-        and hasattr(plan.tiles, "forward_target_apart")
+        and hasattr(backend, method)
         and _target_column_apart()
     )
 
@@ -672,7 +675,7 @@ def _chunk_forward(
     settle: Callable[[], int] | None = None,
     rows_on_device: torch.Tensor | None = None,
     keep_columns: int | None = None,
-    tiles_apart: bool = False,
+    target_apart: bool = False,
 ):
     """One chunk: its row statistics, the detached target probability (DFT only), for a scalar loss the logits
     gradient times ``inv_denominator()`` (0-d, asked for once the logits GEMM is launched; with ``scaled`` as the
@@ -680,8 +683,8 @@ def _chunk_forward(
     ``settle`` (a scaled gradient's first chunk, launched before the host knows how many rows are kept, with the GEMM
     reading that count from ``rows_on_device``): called once the GEMM is launched, it returns how many of the
     chunk's leading rows count, and the results are cut to them. ``keep_columns`` (with ``keep``): only the leading
-    columns' e is kept. ``tiles_apart``: the tile path's gradient with its target column apart
-    (``_tile_target_apart``)."""
+    columns' e is kept. ``target_apart``: a gradient that is not a scaled one comes with its target column apart
+    (``_gradient_target_apart``)."""
     n_rows = x_chunk.shape[0]
     # a scaled gradient's row scales come from the GEMM's path already times the upstream 0-d (no pass for it), but
     # for DFT, whose per-row factor is known only after the statistics
@@ -709,7 +712,7 @@ def _chunk_forward(
     if fused is None and eager and not plan.prob_weighted:
         # statistics and gradient in one pass over the logits
         grad_out = _grad_buffer(kept, x_chunk.dtype, plan.tiles)
-        if tiles_apart:
+        if target_apart:
             stats, grad_out = plan.tiles.forward_target_apart(kept, ys, plan.params, scale, grad_out)
         else:
             stats = plan.tiles.forward(kept, ys, plan.params, grad_scale=scale, grad_out=grad_out)
@@ -724,6 +727,8 @@ def _chunk_forward(
     if eager and grad_out is None:
         if scaled:
             grad_out = kept if scaled_upstream is not None else kept.times(scale)
+        elif fused is not None and target_apart:
+            grad_out = fused.gradient_target_apart(kept, x_chunk, w_c, ys, stats, plan.params, scale)
         elif fused is not None:
             grad_out = fused.gradient(kept, ys, stats.lse, stats.entropy, plan.params, x_chunk.dtype, scale)
         else:
@@ -868,8 +873,8 @@ def _forward(x, weight, bias, target, plan: CallPlan, needs_input_grad) -> tuple
     ignore_index = plan.params.ignore_index
     # the gradient as E and row scales (no pass over the logits)
     scaled = eager and _scaled_gradient(plan, fused, w_c, bias)
-    tiles_apart = eager and _tile_target_apart(plan, fused, x, bias)
-    dw_in_weight_dtype = _dw_sum_in_weight_dtype(scaled or tiles_apart, weight)
+    target_apart = eager and not scaled and _gradient_target_apart(plan, fused, x, bias)
+    dw_in_weight_dtype = _dw_sum_in_weight_dtype(scaled or target_apart, weight)
     accumulator = _accumulator_bytes(weight, eager and need_dw, dw_in_weight_dtype)
     logits_16bit = fused is None and _logits_16bit(plan, x, bias)
     if fused is not None:
@@ -879,7 +884,7 @@ def _forward(x, weight, bias, target, plan: CallPlan, needs_input_grad) -> tuple
     else:
         per_logit = _bytes_per_logit(plan, (plan.compute_dtype or x.dtype) if eager else None, logits_16bit)
         kept_per_logit = 2 if logits_16bit else 4
-    if scaled or tiles_apart:
+    if scaled or target_apart:
         per_logit += _scaled_row_bytes(x.shape[1], w_c.element_size()) / vocab
     # With a scaled gradient the first chunk's GEMM need not wait for the host to learn how many rows are kept: the
     # kept rows are moved first on the device, that GEMM reads their count from device memory, and the host reads
@@ -946,7 +951,7 @@ def _forward(x, weight, bias, target, plan: CallPlan, needs_input_grad) -> tuple
             rows,
             chunk_bytes,
             dw_in_weight_dtype,
-            ys if scaled or tiles_apart else None,
+            ys if scaled or target_apart else None,
             ignore_index,
         )
 
@@ -977,7 +982,7 @@ def _forward(x, weight, bias, target, plan: CallPlan, needs_input_grad) -> tuple
             settle if first_deferred else None,
             compaction.summary if first_deferred else None,
             keep_columns,
-            tiles_apart,
+            target_apart,
         )
         if first_deferred:
             end = start + stats.loss.shape[0]

@@ -35,15 +35,20 @@ SLACK = 96 * MiB
 
 
 def extra_beyond_grads(
-    n: int, budget: int | None = None, fp32_sum: bool = False, tile_path: bool = False
+    n: int,
+    budget: int | None = None,
+    fp32_sum: bool = False,
+    tile_path: bool = False,
+    dtype: torch.dtype = torch.bfloat16,
+    **options,
 ) -> tuple[float, float]:
     """(peak bytes of one fwd+bwd above the inputs, minus dX and dW; the float32 accumulator's size). ``tile_path``:
-    cuBLAS float32 logits and the tile passes, as before Hopper."""
+    cuBLAS float32 logits and the tile passes, as before Hopper. ``options``: the op's keyword options."""
     if torch.cuda.get_device_properties(0).total_memory < 40 * GiB:
         pytest.skip("needs a GPU with 40 GiB")
     gen = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(n, H, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
-    w = (torch.randn(V, H, device="cuda", generator=gen) * 0.02).to(torch.bfloat16).requires_grad_()
+    x = torch.randn(n, H, device="cuda", dtype=dtype, generator=gen).requires_grad_()
+    w = (torch.randn(V, H, device="cuda", generator=gen) * 0.02).to(dtype).requires_grad_()
     y = torch.randint(0, V, (n,), device="cuda", generator=gen)
     y[::17] = -100
     tiles = TritonTileOps(gemm_epilogue=False) if tile_path else resolve_backend("triton", x.device)
@@ -53,7 +58,7 @@ def extra_beyond_grads(
             mock.patch.object(hf_flce.api, "resolve_backend", lambda backend, device: tiles),
             mock.patch.dict(os.environ, {"HF_FLCE_DW_FP32_SUM": "1" if fp32_sum else "0"}),
         ):
-            loss = hf_flce.fused_linear_cross_entropy(x, w, y, backend="triton", memory_budget=budget)
+            loss = hf_flce.fused_linear_cross_entropy(x, w, y, backend="triton", memory_budget=budget, **options)
         loss.backward()
 
     step()  # compiles the kernels and sizes cuBLAS's workspace
@@ -81,6 +86,20 @@ def test_tile_path_stays_within_the_budget(n, budget):
     beyond, _ = extra_beyond_grads(n, budget=budget, tile_path=True)
     bound = budget or GiB
     assert beyond <= bound + SLACK, f"{beyond / GiB:.3f} GiB beyond the gradients (bound {bound / GiB:.3f})"
+
+
+@pytest.mark.parametrize(
+    "dtype, options",
+    [(torch.bfloat16, {"label_smoothing": 0.1}), (torch.float16, {}), (torch.float16, {"label_smoothing": 0.1})],
+    ids=["bf16-smoothing", "fp16", "fp16-smoothing"],
+)
+@pytest.mark.parametrize("n", [8192, 32768])
+def test_gradient_pass_stays_within_the_budget(n, dtype, options):
+    """Calls whose gradient the epilogue path writes by a pass over stored e (fp16, label smoothing): within the
+    budget beyond the gradients too, since v50 takes their target column apart and sums dW in the 16-bit gradient
+    (before: the float32 sum's ``4 V H``)."""
+    beyond, _ = extra_beyond_grads(n, dtype=dtype, **options)
+    assert beyond <= GiB + SLACK, f"{beyond / GiB:.3f} GiB beyond the gradients"
 
 
 @pytest.mark.parametrize("n", [8192, 32768])

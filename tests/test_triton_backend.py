@@ -23,7 +23,7 @@ import triton.language as tl  # noqa: E402
 
 import hf_flce  # noqa: E402
 from hf_flce import engine  # noqa: E402
-from hf_flce.backends import resolve_backend, triton_interpreting, triton_tiles  # noqa: E402
+from hf_flce.backends import resolve_backend, triton_gemm, triton_interpreting, triton_tiles  # noqa: E402
 from hf_flce.backends.base import TileParams  # noqa: E402
 from hf_flce.backends.torch_tiles import TorchTileOps  # noqa: E402
 from hf_flce.backends.triton_tiles import TritonTileOps  # noqa: E402
@@ -409,27 +409,33 @@ def test_tiles_target_column_apart_match_float64(names, layout):
 
 
 @contextlib.contextmanager
-def tile_path_calls(fp32_sum_allowed=False):
-    """Counts the tile path's chunks with the target column apart, and fails on a float32 ``[V, H]`` dW sum unless
-    ``fp32_sum_allowed`` (a float32 weight's own gradient)."""
+def target_apart_calls(fp32_sum_allowed=False):
+    """Counts the chunks whose gradient came with the target column apart (the tile path's
+    ``forward_target_apart``, the epilogue path's ``gradient_target_apart``), and fails on a float32 ``[V, H]`` dW
+    sum unless ``fp32_sum_allowed`` (a float32 weight's own gradient)."""
     calls = {"chunks": 0}
-    real = TritonTileOps.forward_target_apart
+    real_tiles, real_epilogue = TritonTileOps.forward_target_apart, triton_gemm.gradient_target_apart
 
-    def spy(self, *args, **kwargs):
+    def spy_tiles(self, *args, **kwargs):
         calls["chunks"] += 1
-        return real(self, *args, **kwargs)
+        return real_tiles(self, *args, **kwargs)
+
+    def spy_epilogue(*args, **kwargs):
+        calls["chunks"] += 1
+        return real_epilogue(*args, **kwargs)
 
     no_fp32_sum = mock.patch.object(engine, "dw_product", side_effect=AssertionError("a float32 dW sum"))
     with (
-        mock.patch.object(TritonTileOps, "forward_target_apart", spy),
+        mock.patch.object(TritonTileOps, "forward_target_apart", spy_tiles),
+        mock.patch.object(triton_gemm, "gradient_target_apart", spy_epilogue),
         contextlib.nullcontext() if fp32_sum_allowed else no_fp32_sum,
     ):
         yield calls
 
 
-def grads_on_tile_path(hidden, weight, target, apart=True, **opts):
-    """Loss and the gradients of hidden and weight through the public API on the tile path, with the target column
-    apart (the default) or in (``HF_FLCE_TARGET_APART=0``)."""
+def grads_target_apart(hidden, weight, target, apart=True, **opts):
+    """Loss and the gradients of hidden and weight through the public API, with the target column apart (the
+    default) or in (``HF_FLCE_TARGET_APART=0``)."""
     leaves = [t.detach().clone().requires_grad_() for t in (hidden, weight)]
     with mock.patch.dict(os.environ, {"HF_FLCE_TARGET_APART": "1" if apart else "0"}):
         loss = hf_flce.fused_linear_cross_entropy(*leaves, target, backend="triton", **opts)
@@ -450,6 +456,45 @@ def float64_grads(hidden, weight, target, upstream=1.0, **opts):
 TILE_MARGIN = 1.1 if DEVICE.type == "cuda" else 2.0
 
 
+def check_target_apart(names: tuple, dtype: torch.dtype, budget: int | None) -> None:
+    """A 16-bit scalar loss with the target column apart (``engine._gradient_target_apart``): over several chunks dW
+    is summed in the 16-bit gradient itself (no float32 ``[V, H]`` sum); the loss is the column-in path's, and the
+    gradients' errors against float64 are within ``TILE_MARGIN`` of that path's, whose dW is summed in float32."""
+    hidden, weight, target, _, opts = build(names, n=60, v=300, ignore_every=4)
+    hidden, weight = hidden.to(dtype), weight.to(dtype)
+    opts["memory_budget"] = budget
+    with target_apart_calls() as calls:
+        new = grads_target_apart(hidden, weight, target, **opts)
+    assert calls["chunks"] >= (3 if budget else 1)
+    old = grads_target_apart(hidden, weight, target, apart=False, **opts)
+    ref = float64_grads(hidden, weight, target, **opts)
+    assert torch.equal(new[0], old[0])
+    for name, n_, o, r in zip(("dX", "dW"), new[1:], old[1:], ref[1:]):
+        assert n_.dtype == dtype and torch.isfinite(n_).all(), name
+        assert rel_err(n_, r) <= TILE_MARGIN * rel_err(o, r) + 1e-4, (name, rel_err(n_, r), rel_err(o, r))
+
+
+def check_target_apart_edge_case(case: str, **opts) -> None:
+    """The same in bf16 for an edge case: every row ignored gives loss 0 and zero gradients; one token; peaked rows
+    (``p_y`` near 1, whose ``p_y - 1`` a 16-bit gradient rounds away) keep dX and dW as accurate as the column-in
+    path's."""
+    n = 1 if case == "one-token" else 24
+    hidden, weight, target, _ = make_inputs(n, 16, 150, ignore_every=0 if case != "all-ignored" else 1)
+    hidden, weight = hidden.bfloat16(), weight.bfloat16()
+    if case == "peaked":
+        hidden = (hidden.float() + 3.0 * weight.float()[target]).bfloat16()
+    with target_apart_calls() as calls:
+        new = grads_target_apart(hidden, weight, target, **opts)
+    if case == "all-ignored":
+        assert new[0].item() == 0.0 and not new[1].any() and not new[2].any()
+        return
+    assert calls["chunks"] >= 1
+    old = grads_target_apart(hidden, weight, target, apart=False, **opts)
+    ref = float64_grads(hidden, weight, target, **opts)
+    for name, n_, o, r in zip(("dX", "dW"), new[1:], old[1:], ref[1:]):
+        assert rel_err(n_, r) <= TILE_MARGIN * rel_err(o, r) + 1e-4, (name, rel_err(n_, r), rel_err(o, r))
+
+
 @pytest.fixture
 def tile_path():
     """The tile path on any device (cuBLAS float32 logits and the tile passes), as GPUs before Hopper take it."""
@@ -461,42 +506,14 @@ def tile_path():
 @pytest.mark.parametrize("budget", [None, 8192], ids=["one-chunk", "chunks"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_tile_path_target_column_apart(names, budget, dtype, tile_path):
-    """A 16-bit scalar loss on the tile path carries each row's target column in float32, and over several chunks
-    sums dW in the 16-bit gradient itself (no float32 ``[V, H]`` sum). The loss is the column-in path's, and the
-    gradients' errors against float64 are within ``TILE_MARGIN`` of that path's, whose dW is summed in float32."""
-    hidden, weight, target, _, opts = build(names, n=60, v=300, ignore_every=4)
-    hidden, weight = hidden.to(dtype), weight.to(dtype)
-    opts["memory_budget"] = budget
-    with tile_path_calls() as calls:
-        new = grads_on_tile_path(hidden, weight, target, **opts)
-    assert calls["chunks"] >= (3 if budget else 1)
-    old = grads_on_tile_path(hidden, weight, target, apart=False, **opts)
-    ref = float64_grads(hidden, weight, target, **opts)
-    assert torch.equal(new[0], old[0])
-    for name, n_, o, r in zip(("dX", "dW"), new[1:], old[1:], ref[1:]):
-        assert n_.dtype == dtype and torch.isfinite(n_).all(), name
-        assert rel_err(n_, r) <= TILE_MARGIN * rel_err(o, r) + 1e-4, (name, rel_err(n_, r), rel_err(o, r))
+    """On the tile path (``forward_target_apart``), class weights included."""
+    check_target_apart(names, dtype, budget)
 
 
 @pytest.mark.parametrize("case", ["all-ignored", "one-token", "peaked"])
 def test_tile_path_target_column_apart_edge_cases(case, tile_path):
-    """Every row ignored: loss 0 and zero gradients. One token. Peaked rows (``p_y`` near 1, whose ``p_y - 1`` a
-    16-bit gradient rounds away): the float32 target column keeps dX and dW as accurate as the column-in path's."""
-    n = 1 if case == "one-token" else 24
-    hidden, weight, target, _ = make_inputs(n, 16, 150, ignore_every=0 if case != "all-ignored" else 1)
-    hidden, weight = hidden.bfloat16(), weight.bfloat16()
-    if case == "peaked":
-        hidden = (hidden.float() + 3.0 * weight.float()[target]).bfloat16()
-    with tile_path_calls() as calls:
-        new = grads_on_tile_path(hidden, weight, target, memory_budget=2048)
-    if case == "all-ignored":
-        assert new[0].item() == 0.0 and not new[1].any() and not new[2].any()
-        return
-    assert calls["chunks"] >= 1
-    old = grads_on_tile_path(hidden, weight, target, apart=False, memory_budget=2048)
-    ref = float64_grads(hidden, weight, target)
-    for name, n_, o, r in zip(("dX", "dW"), new[1:], old[1:], ref[1:]):
-        assert rel_err(n_, r) <= TILE_MARGIN * rel_err(o, r) + 1e-4, (name, rel_err(n_, r), rel_err(o, r))
+    """All rows ignored, one token, peaked rows on the tile path."""
+    check_target_apart_edge_case(case, memory_budget=2048)
 
 
 def test_tile_path_frequent_classes_and_autocast(tile_path):
@@ -511,21 +528,21 @@ def test_tile_path_frequent_classes_and_autocast(tile_path):
     budget = 20 * (v * 4 + engine._scaled_row_bytes(h, 2))
     ref = float64_grads(hidden, weight, target)
     with (
-        tile_path_calls() as calls,
+        target_apart_calls() as calls,
         mock.patch.object(
             engine._FrequentClassRows, "add", autospec=True, side_effect=engine._FrequentClassRows.add
         ) as add,
     ):
-        new = grads_on_tile_path(hidden, weight, target, memory_budget=budget)
+        new = grads_target_apart(hidden, weight, target, memory_budget=budget)
     assert calls["chunks"] >= engine._FrequentClassRows.MIN_CHUNKS and add.call_count == calls["chunks"]
-    old = grads_on_tile_path(hidden, weight, target, apart=False, memory_budget=budget)
+    old = grads_target_apart(hidden, weight, target, apart=False, memory_budget=budget)
     assert rel_err(new[2], ref[2]) <= TILE_MARGIN * rel_err(old[2], ref[2]), (
         rel_err(new[2], ref[2]),
         rel_err(old[2], ref[2]),
     )
     # a float32 weight (mixed precision): its gradient is the float32 sum
     x, w = hidden.float().requires_grad_(), weight.float().requires_grad_()
-    with tile_path_calls(fp32_sum_allowed=True) as calls, torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+    with target_apart_calls(fp32_sum_allowed=True) as calls, torch.autocast(DEVICE.type, dtype=torch.bfloat16):
         hf_flce.fused_linear_cross_entropy(x, w, target, backend="triton", memory_budget=budget).backward()
     assert calls["chunks"] >= 2 and w.grad.dtype == torch.float32
     assert rel_err(w.grad, ref[2]) <= TILE_MARGIN * rel_err(old[2], ref[2])

@@ -12,7 +12,17 @@ from unittest import mock
 
 import pytest
 import torch
-from test_triton_backend import DEVICE, assert_close, build, check, make_inputs, rel_err
+from test_triton_backend import (
+    DEVICE,
+    assert_close,
+    build,
+    check,
+    check_target_apart,
+    check_target_apart_edge_case,
+    make_inputs,
+    rel_err,
+    target_apart_calls,
+)
 
 import hf_flce
 from hf_flce import engine
@@ -1244,3 +1254,43 @@ def test_requested_stats_only(wanted, names, fused_calls):
     ref.backward()
     assert_close(h.grad, ref_h.grad, GRAD_TOL, "dX")
     assert_close(w.grad, ref_w.grad, GRAD_TOL, "dW")
+
+
+GRADIENT_PASS_CASES = [
+    (torch.bfloat16, ("smoothing",)),
+    (torch.bfloat16, ("smoothing", "z_loss", "temperature")),
+    (torch.float16, ()),
+    (torch.float16, ("softcap", "z_loss", "temperature")),
+    (torch.float16, ("smoothing",)),
+]
+
+
+@pytest.mark.parametrize(
+    "dtype, names",
+    GRADIENT_PASS_CASES,
+    ids=lambda c: str(c).replace("torch.", "") if isinstance(c, torch.dtype) else "+".join(c) or "plain",
+)
+@pytest.mark.parametrize("budget", [None, 8192], ids=["one-chunk", "chunks"])
+def test_gradient_pass_target_column_apart(dtype, names, budget):
+    """A scalar loss on the epilogue path whose gradient is no row scale of ``E`` (fp16 operands, label smoothing)
+    turns stored e into a 16-bit gradient with each row's target column apart in float32, and over several chunks
+    sums dW in the 16-bit gradient itself (no float32 ``[V, H]`` sum). The loss is the column-in path's, and the
+    gradients' errors against float64 are within ``TILE_MARGIN`` of that path's, whose dW is summed in float32."""
+    check_target_apart(names, dtype, budget)
+
+
+@pytest.mark.parametrize("case", ["all-ignored", "one-token", "peaked"])
+def test_gradient_pass_target_column_apart_edge_cases(case):
+    """The same with label smoothing in bf16: every row ignored gives loss 0 and zero gradients; one token; peaked
+    rows, whose ``p_y - 1 + eps`` a 16-bit gradient rounds away, keep dX and dW as accurate as the column-in path."""
+    check_target_apart_edge_case(case, label_smoothing=0.1, memory_budget=2048)
+
+
+def test_gradient_pass_keeps_the_column_in_with_a_bias():
+    """With a bias (whose gradient would need the column) the gradient pass keeps the target column in, and dW
+    is summed in float32 across chunks."""
+    hidden, weight, target, bias, opts = build(("smoothing", "bias"), n=40, v=200)
+    leaves = [t.bfloat16() for t in (hidden, weight, bias)]
+    with target_apart_calls(fp32_sum_allowed=True) as calls:
+        check(*leaves[:2], target, leaves[2], tol=1e-2, grad_tol=3e-2, memory_budget=4096, **opts)
+    assert calls["chunks"] == 0
