@@ -516,30 +516,39 @@ def test_tile_path_target_column_apart_edge_cases(case, tile_path):
     check_target_apart_edge_case(case, memory_budget=2048)
 
 
-def test_tile_path_frequent_classes_and_autocast(tile_path):
-    """From ``MIN_CHUNKS`` chunks the most frequent target classes' dW rows are summed in float32 on the tile path
-    too; with a float32 weight under bf16 autocast dW is summed in that float32 gradient, the target column apart."""
+def check_frequent_classes(budget_rows: int, **opts) -> tuple:
+    """With targets drawn from the softmax (a calibrated model) over ``MIN_CHUNKS`` chunks or more, a 16-bit scalar
+    loss with the target column apart sums the most frequent classes' dW rows in float32 (``_FrequentClassRows``):
+    dW's error against float64 within ``TILE_MARGIN`` of the column-in path's float32 sum. Returns the inputs, the
+    budget and both errors' references for further checks."""
     n, h, v = 160, 32, 300
     hidden, weight, _, _ = make_inputs(n, h, v, ignore_every=0, seed=4)
     hidden, weight = hidden.bfloat16(), weight.bfloat16()
     probs = torch.softmax(hidden.double() @ weight.double().T, -1)
     target = torch.multinomial(probs.float().cpu(), 1, generator=torch.Generator().manual_seed(5)).squeeze(1)
     target = target.to(DEVICE)
-    budget = 20 * (v * 4 + engine._scaled_row_bytes(h, 2))
-    ref = float64_grads(hidden, weight, target)
+    budget = budget_rows * (v * 4 + engine._scaled_row_bytes(h, 2))
+    ref = float64_grads(hidden, weight, target, **opts)
     with (
         target_apart_calls() as calls,
         mock.patch.object(
             engine._FrequentClassRows, "add", autospec=True, side_effect=engine._FrequentClassRows.add
         ) as add,
     ):
-        new = grads_target_apart(hidden, weight, target, memory_budget=budget)
+        new = grads_target_apart(hidden, weight, target, memory_budget=budget, **opts)
     assert calls["chunks"] >= engine._FrequentClassRows.MIN_CHUNKS and add.call_count == calls["chunks"]
-    old = grads_target_apart(hidden, weight, target, apart=False, memory_budget=budget)
+    old = grads_target_apart(hidden, weight, target, apart=False, memory_budget=budget, **opts)
     assert rel_err(new[2], ref[2]) <= TILE_MARGIN * rel_err(old[2], ref[2]), (
         rel_err(new[2], ref[2]),
         rel_err(old[2], ref[2]),
     )
+    return hidden, weight, target, budget, ref, old
+
+
+def test_tile_path_frequent_classes_and_autocast(tile_path):
+    """From ``MIN_CHUNKS`` chunks the most frequent target classes' dW rows are summed in float32 on the tile path
+    too; with a float32 weight under bf16 autocast dW is summed in that float32 gradient, the target column apart."""
+    hidden, weight, target, budget, ref, old = check_frequent_classes(20)
     # a float32 weight (mixed precision): its gradient is the float32 sum
     x, w = hidden.float().requires_grad_(), weight.float().requires_grad_()
     with target_apart_calls(fp32_sum_allowed=True) as calls, torch.autocast(DEVICE.type, dtype=torch.bfloat16):

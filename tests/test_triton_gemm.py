@@ -17,6 +17,7 @@ from test_triton_backend import (
     assert_close,
     build,
     check,
+    check_frequent_classes,
     check_target_apart,
     check_target_apart_edge_case,
     make_inputs,
@@ -1284,6 +1285,12 @@ def test_gradient_pass_target_column_apart_edge_cases(case):
     """The same with label smoothing in bf16: every row ignored gives loss 0 and zero gradients; one token; peaked
     rows, whose ``p_y - 1 + eps`` a 16-bit gradient rounds away, keep dX and dW as accurate as the column-in path."""
     check_target_apart_edge_case(case, label_smoothing=0.1, memory_budget=2048)
+
+
+def test_gradient_pass_frequent_classes():
+    """The gradient pass with its target column apart (label smoothing) sums the most frequent target classes' dW
+    rows in float32 from ``MIN_CHUNKS`` chunks on, as the scaled gradient and the tile path do."""
+    check_frequent_classes(10, label_smoothing=0.1)
 
 
 def test_gradient_pass_keeps_the_column_in_with_a_bias():

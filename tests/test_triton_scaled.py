@@ -316,6 +316,21 @@ def test_fp16_keeps_the_gradient_pass(scaled_calls):
     assert scaled_calls["chunks"] == 0
 
 
+@pytest.mark.parametrize("upstream_rows", [False, True], ids=["0-d", "per-row"])
+def test_unit_row_scale_times_upstream(upstream_rows):
+    """A gradient with its target column apart and no row scale (``gradient_target_apart``) times an upstream
+    gradient scales ``E`` and the target column alike: dW's operand is ``diag(upstream) x``."""
+    rows, h = 5, 8
+    e = torch.randn(rows, 12, device=DEVICE).bfloat16()
+    coef, target = torch.randn(rows, device=DEVICE), torch.randint(0, 12, (rows,), device=DEVICE)
+    upstream = torch.rand(rows if upstream_rows else (), device=DEVICE) + 0.5
+    scaled = triton_scaled.ScaledGradient(e, None, coef, target, -100).times(upstream)
+    assert torch.equal(scaled.row_scale, upstream.expand(rows)) and torch.equal(scaled.target_coef, coef * upstream)
+    x = torch.randn(rows, h, device=DEVICE)
+    expected = (x * upstream.expand(rows)[:, None]).bfloat16().float()
+    assert torch.allclose(scaled.x_operand(x).float(), expected, rtol=1e-2, atol=1e-3)
+
+
 def _launches_and_reads(hidden, weight, target, deferred=True, **opts):
     """``grads`` with the scaled gradient, recording in order each launch of the head GEMM and each time the host
     reads the kept count; with ``deferred``, the compaction that reads it before any launch (``kept_rows``) must not

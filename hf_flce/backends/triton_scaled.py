@@ -398,9 +398,10 @@ class ScaledGradient:
         return ScaledGradient(self.e[:rows], row_scale, self.target_coef[:rows], self.target[:rows], self.ignore_index)
 
     def times(self, upstream: torch.Tensor) -> ScaledGradient:
-        return ScaledGradient(
-            self.e, self.row_scale * upstream, self.target_coef * upstream, self.target, self.ignore_index
-        )
+        """The gradient times ``upstream`` (float32, 0-d or ``[rows]``); a unit row scale becomes ``upstream``."""
+        rows = self.e.shape[0]
+        row_scale = upstream.expand(rows).contiguous() if self.row_scale is None else self.row_scale * upstream
+        return ScaledGradient(self.e, row_scale, self.target_coef * upstream, self.target, self.ignore_index)
 
     def _rows(self, src, out, weight=None, dst_rows=None, row0=0):
         return scale_rows(src, out, self.row_scale, self.target_coef, self.target, weight, dst_rows, row0)
