@@ -283,12 +283,13 @@ def _gradient_target_apart(plan: CallPlan, fused, x: torch.Tensor, bias: torch.T
     (``_dw_sum_in_weight_dtype``), with no float32 ``[V, H]`` sum. On the tile path (cuBLAS float32 logits and the
     tile passes: GPUs before Hopper, class-weighted calls) the backend's ``forward_target_apart`` does it; on the
     epilogue path (fp16 operands, label smoothing) ``fused.gradient_target_apart``. Not with a bias (its gradient
-    would need the column too) nor for DFT (whose per-row factor comes after the pass); ``HF_FLCE_TARGET_APART=0``
-    keeps the column in."""
+    would need the column too), nor for DFT on the tile path (whose pass writes the gradient with the statistics,
+    before DFT's per-row factor is known; the epilogue path's pass comes after it); ``HF_FLCE_TARGET_APART=0`` keeps
+    the column in."""
     backend, method = (plan.tiles, "forward_target_apart") if fused is None else (fused, "gradient_target_apart")
     return (
         bias is None
-        and not plan.prob_weighted
+        and (fused is not None or not plan.prob_weighted)
         and (plan.compute_dtype or x.dtype).itemsize == 2
         and hasattr(backend, method)
         and _target_column_apart()

@@ -456,13 +456,13 @@ def float64_grads(hidden, weight, target, upstream=1.0, **opts):
 TILE_MARGIN = 1.1 if DEVICE.type == "cuda" else 2.0
 
 
-def check_target_apart(names: tuple, dtype: torch.dtype, budget: int | None) -> None:
+def check_target_apart(names: tuple, dtype: torch.dtype, budget: int | None, **extra) -> None:
     """A 16-bit scalar loss with the target column apart (``engine._gradient_target_apart``): over several chunks dW
     is summed in the 16-bit gradient itself (no float32 ``[V, H]`` sum); the loss is the column-in path's, and the
     gradients' errors against float64 are within ``TILE_MARGIN`` of that path's, whose dW is summed in float32."""
     hidden, weight, target, _, opts = build(names, n=60, v=300, ignore_every=4)
     hidden, weight = hidden.to(dtype), weight.to(dtype)
-    opts["memory_budget"] = budget
+    opts.update(extra, memory_budget=budget)
     with target_apart_calls() as calls:
         new = grads_target_apart(hidden, weight, target, **opts)
     assert calls["chunks"] >= (3 if budget else 1)

@@ -1280,6 +1280,15 @@ def test_gradient_pass_target_column_apart(dtype, names, budget):
     check_target_apart(names, dtype, budget)
 
 
+@pytest.mark.parametrize(
+    "dtype, names", [(torch.float16, ()), (torch.bfloat16, ("smoothing",))], ids=["fp16", "bf16-smoothing"]
+)
+def test_gradient_pass_target_column_apart_dft(dtype, names):
+    """DFT (``prob_weighted``): its per-row factor is known before the epilogue path's gradient pass, which takes the
+    target column apart as for any other scalar loss."""
+    check_target_apart(names, dtype, 8192, prob_weighted=True)
+
+
 @pytest.mark.parametrize("case", ["all-ignored", "one-token", "peaked"])
 def test_gradient_pass_target_column_apart_edge_cases(case):
     """The same with label smoothing in bf16: every row ignored gives loss 0 and zero gradients; one token; peaked
