@@ -34,9 +34,12 @@ def scaled_calls():
 
 
 def grads(hidden, weight, target, scaled, upstream=1.0, **opts):
-    """Loss and the gradients of hidden and weight, with the scaled gradient on or off."""
+    """Loss and the gradients of hidden and weight, with the scaled gradient on, or off with the gradient pass it
+    replaces: the column-in one (``HF_FLCE_TARGET_APART=0``; since v50 that pass can carry the target column in
+    float32 too), the baseline the scaled gradient's errors are held to."""
     leaves = [t.detach().clone().requires_grad_() for t in (hidden, weight)]
-    with mock.patch.dict(os.environ, {"HF_FLCE_SCALED_GRAD": "1" if scaled else "0"}):
+    env = {"HF_FLCE_SCALED_GRAD": "1"} if scaled else {"HF_FLCE_SCALED_GRAD": "0", "HF_FLCE_TARGET_APART": "0"}
+    with mock.patch.dict(os.environ, env):
         loss = hf_flce.fused_linear_cross_entropy(*leaves, target, backend="triton", **opts)
         (loss * upstream).backward()
     return loss.detach(), leaves[0].grad, leaves[1].grad
