@@ -282,7 +282,7 @@ def _gradient_target_apart(plan: CallPlan, fused, x: torch.Tensor, bias: torch.T
     16-bit sums of dW then round only its softmax part, so they are kept in the gradient itself
     (``_dw_sum_in_weight_dtype``), with no float32 ``[V, H]`` sum. On the tile path (cuBLAS float32 logits and the
     tile passes: GPUs before Hopper, class-weighted calls) the backend's ``forward_target_apart`` does it; on the
-    epilogue path (fp16 operands, label smoothing) ``fused.gradient_target_apart``. Not with a bias (its gradient
+    epilogue path (fp16 operands; bf16 ones with ``HF_FLCE_SCALED_GRAD=0``) ``fused.gradient_target_apart``. Not with a bias (its gradient
     would need the column too), nor for DFT on the tile path (whose pass writes the gradient with the statistics,
     before DFT's per-row factor is known; the epilogue path's pass comes after it); ``HF_FLCE_TARGET_APART=0`` keeps
     the column in."""
@@ -298,7 +298,8 @@ def _gradient_target_apart(plan: CallPlan, fused, x: torch.Tensor, bias: torch.T
 
 def _scaled_gradient(plan: CallPlan, fused, w_c: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether the epilogue path can carry a logits gradient as ``E`` and row scales (``triton_scaled``): bf16
-    operands, no bias, no label smoothing, and on CUDA only where ``mm_fp32`` keeps ``E W`` in float32."""
+    operands, no bias, label smoothing only for a scalar loss, and on CUDA only where ``mm_fp32`` keeps ``E W`` in
+    float32."""
     return (
         fused is not None
         and (_HAS_MM_OUT_DTYPE or w_c.device.type != "cuda")
@@ -529,8 +530,9 @@ class _GradBuffers:
             self.dw.addmm_(grad_logits.t(), x_chunk)
 
     def _add_scaled(self, start, end, grad, x_chunk):
-        """A ``ScaledGradient`` (``backends/triton_scaled.py``): ``G = diag(s) E`` plus the target column, so
-        ``dX = s (E W) + c W[y]`` and ``dW = E^T (s X)`` plus ``c x`` added at the target rows."""
+        """A ``ScaledGradient`` (``backends/triton_scaled.py``): ``G = diag(s) E`` plus the target column (and with
+        label smoothing the uniform term ``u``), so ``dX = s (E W) + c W[y] (+ u 1^T W)`` and ``dW = E^T (s X)`` (+
+        ``u^T X`` at every row, in the same GEMM) plus ``c x`` added at the target rows."""
         if self.dx is not None:
             # E W in float32 ([rows, H]) is a temporary: not alive any more when the dW GEMM runs (the call's peak)
             grad.write_dx(
@@ -541,10 +543,10 @@ class _GradBuffers:
                 start,
             )
         if self.need_dw:
-            x_operand = grad.x_operand(x_chunk)
-            self._add_dw(grad.e, x_operand)
+            e, x_operand = grad.dw_operands(x_chunk)
+            self._add_dw(e, x_operand)
             if self.frequent is not None:
-                self.frequent.add(grad.e, x_operand)
+                self.frequent.add(e, x_operand)
             self.target_coefs.append(grad.target_coef)
             self.scaled_kind = type(grad)
 
@@ -677,6 +679,7 @@ def _chunk_forward(
     rows_on_device: torch.Tensor | None = None,
     keep_columns: int | None = None,
     target_apart: bool = False,
+    w_sum: torch.Tensor | None = None,
 ):
     """One chunk: its row statistics, the detached target probability (DFT only), for a scalar loss the logits
     gradient times ``inv_denominator()`` (0-d, asked for once the logits GEMM is launched; with ``scaled`` as the
@@ -685,7 +688,7 @@ def _chunk_forward(
     reading that count from ``rows_on_device``): called once the GEMM is launched, it returns how many of the
     chunk's leading rows count, and the results are cut to them. ``keep_columns`` (with ``keep``): only the leading
     columns' e is kept. ``target_apart``: a gradient that is not a scaled one comes with its target column apart
-    (``_gradient_target_apart``)."""
+    (``_gradient_target_apart``). ``w_sum``: W's column sum, for a label-smoothed scaled gradient."""
     n_rows = x_chunk.shape[0]
     # a scaled gradient's row scales come from the GEMM's path already times the upstream 0-d (no pass for it), but
     # for DFT, whose per-row factor is known only after the statistics
@@ -702,6 +705,7 @@ def _chunk_forward(
             scaled=scaled,
             keep_columns=keep_columns,
             upstream=scaled_upstream,
+            w_sum=w_sum,
         )
         if settle is not None:
             n_rows = settle()
@@ -962,6 +966,8 @@ def _forward(x, weight, bias, target, plan: CallPlan, needs_input_grad) -> tuple
     def inv_denominator() -> torch.Tensor:
         return plan.denominator().to(torch.float32).reciprocal()
 
+    # label smoothing's uniform term and sum of t, once per call (triton_scaled)
+    w_sum = fused.column_sum(w_c) if scaled and eager and plan.params.label_smoothing != 0.0 else None
     grads = kept = None
     chunk_stats, chunk_probs = [], []
     start = 0
@@ -984,6 +990,7 @@ def _forward(x, weight, bias, target, plan: CallPlan, needs_input_grad) -> tuple
             compaction.summary if first_deferred else None,
             keep_columns,
             target_apart,
+            w_sum,
         )
         if first_deferred:
             end = start + stats.loss.shape[0]

@@ -95,9 +95,9 @@ def test_tile_path_stays_within_the_budget(n, budget):
 )
 @pytest.mark.parametrize("n", [8192, 32768])
 def test_gradient_pass_stays_within_the_budget(n, dtype, options):
-    """Calls whose gradient the epilogue path writes by a pass over stored e (fp16, label smoothing): within the
+    """Calls whose gradient the epilogue path wrote by a pass over stored e (fp16, label smoothing): within the
     budget beyond the gradients too, since v50 takes their target column apart and sums dW in the 16-bit gradient
-    (before: the float32 sum's ``4 V H``)."""
+    (before: the float32 sum's ``4 V H``). Since v51 bf16 label smoothing is a scaled gradient instead."""
     beyond, _ = extra_beyond_grads(n, dtype=dtype, **options)
     assert beyond <= GiB + SLACK, f"{beyond / GiB:.3f} GiB beyond the gradients"
 

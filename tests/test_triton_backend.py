@@ -474,15 +474,15 @@ def check_target_apart(names: tuple, dtype: torch.dtype, budget: int | None, **e
         assert rel_err(n_, r) <= TILE_MARGIN * rel_err(o, r) + 1e-4, (name, rel_err(n_, r), rel_err(o, r))
 
 
-def check_target_apart_edge_case(case: str, **opts) -> None:
-    """The same in bf16 for an edge case: every row ignored gives loss 0 and zero gradients; one token; peaked rows
+def check_target_apart_edge_case(case: str, dtype: torch.dtype = torch.bfloat16, **opts) -> None:
+    """The same in ``dtype`` for an edge case: every row ignored gives loss 0 and zero gradients; one token; peaked rows
     (``p_y`` near 1, whose ``p_y - 1`` a 16-bit gradient rounds away) keep dX and dW as accurate as the column-in
     path's."""
     n = 1 if case == "one-token" else 24
     hidden, weight, target, _ = make_inputs(n, 16, 150, ignore_every=0 if case != "all-ignored" else 1)
-    hidden, weight = hidden.bfloat16(), weight.bfloat16()
+    hidden, weight = hidden.to(dtype), weight.to(dtype)
     if case == "peaked":
-        hidden = (hidden.float() + 3.0 * weight.float()[target]).bfloat16()
+        hidden = (hidden.float() + 3.0 * weight.float()[target]).to(dtype)
     with target_apart_calls() as calls:
         new = grads_target_apart(hidden, weight, target, **opts)
     if case == "all-ignored":
@@ -516,14 +516,14 @@ def test_tile_path_target_column_apart_edge_cases(case, tile_path):
     check_target_apart_edge_case(case, memory_budget=2048)
 
 
-def check_frequent_classes(budget_rows: int, **opts) -> tuple:
+def check_frequent_classes(budget_rows: int, dtype: torch.dtype = torch.bfloat16, **opts) -> tuple:
     """With targets drawn from the softmax (a calibrated model) over ``MIN_CHUNKS`` chunks or more, a 16-bit scalar
     loss with the target column apart sums the most frequent classes' dW rows in float32 (``_FrequentClassRows``):
     dW's error against float64 within ``TILE_MARGIN`` of the column-in path's float32 sum. Returns the inputs, the
     budget and both errors' references for further checks."""
     n, h, v = 160, 32, 300
     hidden, weight, _, _ = make_inputs(n, h, v, ignore_every=0, seed=4)
-    hidden, weight = hidden.bfloat16(), weight.bfloat16()
+    hidden, weight = hidden.to(dtype), weight.to(dtype)
     probs = torch.softmax(hidden.double() @ weight.double().T, -1)
     target = torch.multinomial(probs.float().cpu(), 1, generator=torch.Generator().manual_seed(5)).squeeze(1)
     target = target.to(DEVICE)

@@ -1258,11 +1258,10 @@ def test_requested_stats_only(wanted, names, fused_calls):
 
 
 GRADIENT_PASS_CASES = [
-    (torch.bfloat16, ("smoothing",)),
-    (torch.bfloat16, ("smoothing", "z_loss", "temperature")),
     (torch.float16, ()),
     (torch.float16, ("softcap", "z_loss", "temperature")),
     (torch.float16, ("smoothing",)),
+    (torch.float16, ("smoothing", "z_loss", "temperature")),
 ]
 
 
@@ -1273,33 +1272,31 @@ GRADIENT_PASS_CASES = [
 )
 @pytest.mark.parametrize("budget", [None, 8192], ids=["one-chunk", "chunks"])
 def test_gradient_pass_target_column_apart(dtype, names, budget):
-    """A scalar loss on the epilogue path whose gradient is no row scale of ``E`` (fp16 operands, label smoothing)
-    turns stored e into a 16-bit gradient with each row's target column apart in float32, and over several chunks
+    """A scalar loss on the epilogue path whose gradient is no row scale of ``E`` (fp16 operands; bf16 label smoothing
+    is a scaled gradient since v51, ``test_triton_scaled.py``) turns stored e into a 16-bit gradient with each row's target column apart in float32, and over several chunks
     sums dW in the 16-bit gradient itself (no float32 ``[V, H]`` sum). The loss is the column-in path's, and the
     gradients' errors against float64 are within ``TILE_MARGIN`` of that path's, whose dW is summed in float32."""
     check_target_apart(names, dtype, budget)
 
 
-@pytest.mark.parametrize(
-    "dtype, names", [(torch.float16, ()), (torch.bfloat16, ("smoothing",))], ids=["fp16", "bf16-smoothing"]
-)
-def test_gradient_pass_target_column_apart_dft(dtype, names):
+@pytest.mark.parametrize("names", [(), ("smoothing",)], ids=["plain", "smoothing"])
+def test_gradient_pass_target_column_apart_dft(names):
     """DFT (``prob_weighted``): its per-row factor is known before the epilogue path's gradient pass, which takes the
     target column apart as for any other scalar loss."""
-    check_target_apart(names, dtype, 8192, prob_weighted=True)
+    check_target_apart(names, torch.float16, 8192, prob_weighted=True)
 
 
 @pytest.mark.parametrize("case", ["all-ignored", "one-token", "peaked"])
 def test_gradient_pass_target_column_apart_edge_cases(case):
-    """The same with label smoothing in bf16: every row ignored gives loss 0 and zero gradients; one token; peaked
+    """The same with label smoothing in fp16: every row ignored gives loss 0 and zero gradients; one token; peaked
     rows, whose ``p_y - 1 + eps`` a 16-bit gradient rounds away, keep dX and dW as accurate as the column-in path."""
-    check_target_apart_edge_case(case, label_smoothing=0.1, memory_budget=2048)
+    check_target_apart_edge_case(case, torch.float16, label_smoothing=0.1, memory_budget=2048)
 
 
 def test_gradient_pass_frequent_classes():
-    """The gradient pass with its target column apart (label smoothing) sums the most frequent target classes' dW
-    rows in float32 from ``MIN_CHUNKS`` chunks on, as the scaled gradient and the tile path do."""
-    check_frequent_classes(10, label_smoothing=0.1)
+    """The gradient pass with its target column apart (fp16, label smoothing) sums the most frequent target classes'
+    dW rows in float32 from ``MIN_CHUNKS`` chunks on, as the scaled gradient and the tile path do."""
+    check_frequent_classes(10, torch.float16, label_smoothing=0.1)
 
 
 def test_gradient_pass_keeps_the_column_in_with_a_bias():

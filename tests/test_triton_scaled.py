@@ -33,12 +33,14 @@ def scaled_calls():
         yield calls
 
 
-def grads(hidden, weight, target, scaled, upstream=1.0, **opts):
+def grads(hidden, weight, target, scaled, upstream=1.0, column_apart=False, **opts):
     """Loss and the gradients of hidden and weight, with the scaled gradient on, or off with the gradient pass it
     replaces: the column-in one (``HF_FLCE_TARGET_APART=0``; since v50 that pass can carry the target column in
-    float32 too), the baseline the scaled gradient's errors are held to."""
+    float32 too), the baseline the scaled gradient's errors are held to, or with ``column_apart`` that v50 pass
+    (its dW summed in the 16-bit gradient across chunks, as the scaled gradient's)."""
     leaves = [t.detach().clone().requires_grad_() for t in (hidden, weight)]
-    env = {"HF_FLCE_SCALED_GRAD": "1"} if scaled else {"HF_FLCE_SCALED_GRAD": "0", "HF_FLCE_TARGET_APART": "0"}
+    apart = "1" if column_apart else "0"
+    env = {"HF_FLCE_SCALED_GRAD": "1"} if scaled else {"HF_FLCE_SCALED_GRAD": "0", "HF_FLCE_TARGET_APART": apart}
     with mock.patch.dict(os.environ, env):
         loss = hf_flce.fused_linear_cross_entropy(*leaves, target, backend="triton", **opts)
         (loss * upstream).backward()
@@ -56,13 +58,14 @@ def scaled_row_bytes(v: int, h: int) -> int:
     return int(v * triton_gemm.bytes_per_logit(v, params_for(v, stats=frozenset())) + engine._scaled_row_bytes(h, 2))
 
 
-def assert_no_worse(hidden, weight, target, margin=1.1, interpreted_margin=2.0, **opts):
+def assert_no_worse(hidden, weight, target, margin=1.1, interpreted_margin=2.0, column_apart=False, **opts):
     """The scaled gradient's errors against float64 are within ``margin`` of the gradient pass's (both round the
-    gradient to bf16 once; on a GPU the scaled one should be the smaller, its target column being exact)."""
+    gradient to bf16 once; on a GPU the scaled one should be the smaller, its target column being exact); with
+    ``column_apart``, of v50's pass (``grads``)."""
     margin = max(margin, interpreted_margin) if INTERPRETED else margin
     ref = reference_grads(hidden, weight, target, **opts)
     new = grads(hidden, weight, target, True, **opts)
-    old = grads(hidden, weight, target, False, **opts)
+    old = grads(hidden, weight, target, False, column_apart=column_apart, **opts)
     torch.testing.assert_close(new[0].double(), ref[0], rtol=1e-5, atol=1e-5)
     for name, n, o, r in zip(("dX", "dW"), new[1:], old[1:], ref[1:]):
         assert torch.isfinite(n).all(), name
@@ -71,7 +74,17 @@ def assert_no_worse(hidden, weight, target, margin=1.1, interpreted_margin=2.0, 
     return new
 
 
-NAMES = [(), ("z_loss",), ("temperature",), ("softcap",), ("softcap", "z_loss", "temperature")]
+# label smoothing strong enough that its uniform term is most of each off-target gradient
+SMOOTHED = dict(label_smoothing=0.6, z_loss=1e-3, temperature=0.8)
+NAMES = [
+    (),
+    ("z_loss",),
+    ("temperature",),
+    ("softcap",),
+    ("softcap", "z_loss", "temperature"),
+    ("smoothing",),
+    ("smoothing", "z_loss", "temperature"),
+]
 
 
 @pytest.fixture(params=["1", "0"], ids=["row-reference", "tile-max"])
@@ -281,12 +294,13 @@ def test_without_compaction(scaled_calls):
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_all_ignored_and_one_row(reduction, scaled_calls):
+@pytest.mark.parametrize("opts", [{}, SMOOTHED], ids=["plain", "smoothing"])
+def test_all_ignored_and_one_row(reduction, opts, scaled_calls):
     hidden, weight, target, _ = make_inputs(5, 16, 70, ignore_every=0)
     hidden, weight = hidden.bfloat16(), weight.bfloat16()
-    loss, dx, dw = grads(hidden, weight, torch.full_like(target, -100), True, reduction=reduction)
+    loss, dx, dw = grads(hidden, weight, torch.full_like(target, -100), True, reduction=reduction, **opts)
     assert loss.item() == 0.0 and not dx.abs().sum() and not dw.abs().sum()
-    assert_no_worse(hidden[:1], weight, target[:1], reduction=reduction)
+    assert_no_worse(hidden[:1], weight, target[:1], reduction=reduction, **opts)
     assert scaled_calls["chunks"] >= 1
 
 
@@ -305,12 +319,44 @@ def test_fp32_inputs_under_autocast(scaled_calls):
     assert scaled_calls["chunks"] == 1
 
 
-@pytest.mark.parametrize("names", [("smoothing",), ("bias",)])
-def test_unsupported_options_keep_the_gradient_pass(names, scaled_calls):
+@pytest.mark.parametrize("names, reduction", [(("bias",), "mean"), (("smoothing",), "none")], ids=["bias", "per-token"])
+def test_unsupported_options_keep_the_gradient_pass(names, reduction, scaled_calls):
+    """A bias, and label smoothing on a per-token loss (whose backward takes no uniform term), keep the gradient pass
+    over stored e, or recompute."""
     hidden, weight, target, bias, opts = build(names, n=20, v=100)
     leaves = [None if t is None else t.bfloat16() for t in (hidden, weight, bias)]
-    check(*leaves[:2], target, leaves[2], tol=1e-2, grad_tol=3e-2, **opts)
+    check(*leaves[:2], target, leaves[2], tol=1e-2, grad_tol=3e-2, reduction=reduction, **opts)
     assert scaled_calls["chunks"] == 0
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{}, dict(prob_weighted=True), dict(reduction="sum"), dict(upstream=0.37), dict(every_class_in_float32=True)],
+    ids=["mean", "dft", "sum", "upstream", "frequent-rows"],
+)
+def test_label_smoothing_uniform_term(extra, scaled_calls):
+    """Label smoothing's ``-eps/V`` at every column is a rank-one term of the scaled gradient: ``u_i 1^T W`` in dX's
+    rows and ``u^T X`` in every dW row, which the dW GEMM adds from rows of ones under ``E`` (also into the rows
+    summed in float32, ``_FrequentClassRows``). At ``eps = 0.6`` it is most of each off-target gradient: without it
+    dX's or dW's error against float64 grows ten-fold (0.07 against 0.006 in the interpreter), past the bound that
+    the errors of v50's pass set, the path this one replaces (both sum dW across chunks in the 16-bit gradient; at
+    V = 300 and this ``eps`` that sum's roundings weigh more than the column-in pass's float32 sum, 2.6e-3 against
+    2.0e-3 on an H100). The loss takes each row's sum of logits as ``x_i . 1^T W``."""
+    hidden, weight, target, _ = make_inputs(60, 16, 300, ignore_every=4)
+    hidden, weight = hidden.bfloat16(), weight.bfloat16()
+    opts = dict(SMOOTHED, memory_budget=8192)
+    upstream = extra.pop("upstream", 1.0)
+    frequent = frequent_classes(300) if extra.pop("every_class_in_float32", False) else contextlib.nullcontext()
+    opts.update(extra)
+    with frequent:
+        if upstream == 1.0:
+            assert_no_worse(hidden, weight, target, column_apart=True, **opts)
+        else:
+            new = grads(hidden, weight, target, True, upstream=upstream, **opts)
+            old = grads(hidden, weight, target, False, upstream=upstream, **opts)
+            for n, o in zip(new[1:], old[1:]):
+                torch.testing.assert_close(n.float(), o.float(), rtol=0.05, atol=2e-4)
+    assert scaled_calls["chunks"] >= 3
 
 
 def test_fp16_keeps_the_gradient_pass(scaled_calls):
@@ -332,6 +378,30 @@ def test_unit_row_scale_times_upstream(upstream_rows):
     x = torch.randn(rows, h, device=DEVICE)
     expected = (x * upstream.expand(rows)[:, None]).bfloat16().float()
     assert torch.allclose(scaled.x_operand(x).float(), expected, rtol=1e-2, atol=1e-3)
+
+
+def test_dw_operands_add_the_uniform_term():
+    """``dw_operands`` puts a row of ones under ``E`` (its buffer's spare row) over ``u^T x`` under ``diag(s) x``: one
+    GEMM gives ``E^T diag(s) x`` plus ``u^T x`` at every dW row. ``E`` without the spare row is refused."""
+    rows, v, h = 6, 10, 8
+    gen = torch.Generator().manual_seed(3)
+    buffer = torch.randn(rows + 1, v, generator=gen).bfloat16().to(DEVICE)
+    e = buffer[:rows]
+    scale, coef, uniform = (torch.rand(rows, generator=gen).to(DEVICE) for _ in range(3))
+    target = torch.randint(0, v, (rows,), generator=gen).to(DEVICE)
+    x = torch.randn(rows, h, generator=gen).to(DEVICE)
+    grad = triton_scaled.ScaledGradient(e, scale, coef, target, -100, uniform, torch.zeros(h, device=DEVICE))
+    a, b = grad.dw_operands(x)
+    assert a.shape == (rows + 1, v) and b.shape == (rows + 1, h) and a.data_ptr() == e.data_ptr()
+    assert torch.equal(a[:rows], e) and torch.equal(a[rows], torch.ones_like(a[rows]))
+    # each operand row within one bf16 rounding (the interpreter truncates)
+    torch.testing.assert_close(b[:rows].float(), scale[:, None] * x, rtol=2**-7, atol=1e-6)
+    torch.testing.assert_close(b[rows].float(), uniform @ x, rtol=2**-7, atol=1e-6)
+    product = a.double().T @ b.double()
+    torch.testing.assert_close(product, e.double().T @ b[:rows].double() + b[rows].double(), rtol=1e-12, atol=1e-12)
+    without_spare = torch.randn(rows, v, generator=gen).bfloat16().to(DEVICE)
+    with pytest.raises(RuntimeError):
+        triton_scaled.ScaledGradient(without_spare, scale, coef, target, -100, uniform, grad.w_sum).dw_operands(x)
 
 
 def _launches_and_reads(hidden, weight, target, deferred=True, **opts):

@@ -38,7 +38,7 @@ gives in float32: bf16 would round ``p_y - 1`` to 2^-9); where e passes the keep
 (``keep_columns``), so backward recomputes only the others. Class weights are not handled here: the engine keeps the
 tile path for them.
 
-A scalar loss on bf16 operands (no bias, no label smoothing) skips the gradient pass: ``MODE_SCALED`` stores
+A scalar loss on bf16 operands (no bias; label smoothing too, as a rank-one term) skips the gradient pass: ``MODE_SCALED`` stores
 ``E = exp(t - t_y - 32) dt`` in bf16 against one reference per row, known before the GEMM, and the gradient GEMMs take
 ``E`` with row scales (``triton_scaled.py``). So do the leading columns a bf16 per-token loss keeps past the keep
 limit (``keep_columns`` with ``scaled``), their row scales times each row's upstream gradient in backward. The pass
@@ -698,6 +698,8 @@ def _target_kernel(
     stride_glp,
     ge_ptr,
     stride_ge,
+    w_sum_ptr,
+    sum_t_ptr,
     N,
     K,
     ignore_index,
@@ -708,6 +710,7 @@ def _target_kernel(
     smooth_over_v,
     z_loss,
     GRAD: tl.constexpr,
+    SUM_T: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_TEMPERATURE: tl.constexpr,
@@ -721,7 +724,9 @@ def _target_kernel(
 ):
     """Each of BR rows' target column from a float32 dot ``x_n . w_y`` (the GEMM's epilogue would pay a compare and a
     select on every logit for one value per row): its transformed logit ``t_y`` (+inf at ignored rows), or with
-    ``GRAD`` its logits gradient, with the rows' lse known (0 at ignored rows)."""
+    ``GRAD`` its logits gradient, with the rows' lse known (0 at ignored rows). ``SUM_T`` (no bias, no softcap): also
+    the row's sum of t over the vocabulary, ``x_n . w_sum`` times the inverse temperature (``w_sum``: W's column sum,
+    float32), into ``sum_t``."""
     FAST_TANH: tl.constexpr = HW_TANH and x_ptr.dtype.element_ty != tl.float32  # as the GEMM's epilogue
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     row_ok = rows < N
@@ -730,11 +735,17 @@ def _target_kernel(
     y_row = tl.where(valid, y, 0).to(tl.int64)
     ks = tl.arange(0, BK)
     acc = tl.zeros((BR, BK), tl.float32)
+    acc_sum = tl.zeros((BR, BK), tl.float32)
     for k in range(0, K, BK):
         mask = valid[:, None] & ((k + ks) < K)[None, :]
         a = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xn + (k + ks)[None, :], mask=mask, other=0.0)
         b = tl.load(w_ptr + y_row[:, None] * stride_wv + (k + ks)[None, :], mask=mask, other=0.0)
         acc += a.to(tl.float32) * b.to(tl.float32)
+        if SUM_T:
+            w_sum = tl.load(w_sum_ptr + k + ks, mask=(k + ks) < K, other=0.0)
+            acc_sum += a.to(tl.float32) * w_sum[None, :]
+    if SUM_T:
+        tl.store(sum_t_ptr + rows, tl.where(valid, tl.sum(acc_sum, 1) * inv_temperature, 0.0), mask=row_ok)
     z = tl.sum(acc, 1)
     if HAS_BIAS:
         z += tl.load(bias_ptr + y_row, mask=valid, other=0.0).to(tl.float32)
@@ -800,6 +811,7 @@ def _merge_kernel(
     top1_ptr,
     mean_ptr,
     lssp_ptr,
+    sum_t_ptr,
     N,
     stride_pt,
     V,
@@ -814,6 +826,7 @@ def _merge_kernel(
     TOP1: tl.constexpr,
     SUM_T: tl.constexpr,
     SUM_E2: tl.constexpr,
+    ROW_SUM_T: tl.constexpr,
     FIXED_REF: tl.constexpr,
     SCALED: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
@@ -824,7 +837,8 @@ def _merge_kernel(
     """Row statistics from the partials of BR rows ([stat, tile, row] layout: loads are contiguous along rows).
     ``FIXED_REF``: every partial sum is relative to the row's ``t_y + ref_offset`` (no optional statistics, no bias).
     ``SCALED``: ``e`` is ``MODE_SCALED``'s E, rewritten at rows past ``repair_above``. ``x`` and ``W`` serve the rows
-    the GEMM's float32 range could not (``triton_scaled.exact_row``)."""
+    the GEMM's float32 range could not (``triton_scaled.exact_row``). ``ROW_SUM_T``: each row's sum of t comes from
+    ``sum_t`` (``_target_kernel``'s dot with W's column sum) instead of the partials."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     row_ok = rows < N
     y = tl.load(y_ptr + rows, mask=row_ok, other=ignore_index)
@@ -873,6 +887,8 @@ def _merge_kernel(
                 # argmax indices grow with the tile, so the smallest among the tiles holding the max is the first argmax
                 cand = tl.load(best_ptr + offs, mask=mask & (m == row_max[None, :]), other=2147483647)
                 best = tl.minimum(best, tl.min(cand, 0))
+    if ROW_SUM_T:
+        sum_t = tl.load(sum_t_ptr + rows, mask=valid, other=0.0)
     sum_e = tl.where(valid, sum_e, 1.0)
     log_sum_exp = tl.log(sum_e)
     lse = tl.where(valid, row_max, 0.0) + log_sum_exp
@@ -1044,10 +1060,10 @@ class KeptSoftmax:
         return KeptSoftmax(self.e[:rows], self.partials[:, :rows], self.tile_n, self.t_y[:rows])
 
 
-def _planes(params: TileParams) -> int:
+def _planes(params: TileParams, scaled: bool = False) -> int:
     """Float32 planes of partial statistics a call needs: m and sum e, then up to the last optional one asked for
     (their planes are fixed: sum e (t - m), sum e**2, sum t)."""
-    flags = _stat_flags(params)
+    flags = _stat_flags(params, scaled=scaled)
     return 5 if flags["SUM_T"] else 4 if flags["SUM_E2"] else 3 if flags["ENTROPY"] else 2
 
 
@@ -1075,7 +1091,7 @@ def _row_reference(params: TileParams) -> bool:
     ``HF_FLCE_ROW_REFERENCE=0`` keeps the tile max. Statistics-only launches keep it too: on an H200 the row
     reference gained nothing there (docs/PERF_NOTES.md, v15), and a row past ~120 nats would take the slow exact
     path, which a diverged model's eval could meet on every row."""
-    return not any(_stat_flags(params).values()) and os.environ.get("HF_FLCE_ROW_REFERENCE", "1") != "0"
+    return not any(_stat_flags(params, scaled=True).values()) and os.environ.get("HF_FLCE_ROW_REFERENCE", "1") != "0"
 
 
 def supports(dtype: torch.dtype, weight: torch.Tensor, bias: torch.Tensor | None, params: TileParams) -> bool:
@@ -1094,9 +1110,17 @@ def supports(dtype: torch.dtype, weight: torch.Tensor, bias: torch.Tensor | None
 
 
 def scaled_gradient_supports(dtype: torch.dtype, bias: torch.Tensor | None, plan) -> bool:
-    """Whether a scalar loss's gradient comes as a ``triton_scaled.ScaledGradient`` (``forward(scaled=True)``):
+    """Whether a loss's gradient comes as a ``triton_scaled.ScaledGradient`` (``forward(scaled=True)``):
     ``triton_scaled.supports``, unless ``HF_FLCE_SCALED_GRAD=0`` asks for the gradient pass over stored e."""
-    return os.environ.get("HF_FLCE_SCALED_GRAD", "1") != "0" and triton_scaled.supports(dtype, bias, plan.params)
+    if os.environ.get("HF_FLCE_SCALED_GRAD", "1") == "0":
+        return False
+    return triton_scaled.supports(dtype, bias, plan.params, scalar=plan.reduction == "scalar")
+
+
+def column_sum(weight: torch.Tensor) -> torch.Tensor:
+    """W's column sum ``1^T W`` in float32 (``[H]``), which a label-smoothed scaled gradient takes once per call
+    (``forward(w_sum=)``)."""
+    return weight.sum(0, dtype=torch.float32)
 
 
 def bytes_per_logit(vocab: int, params: TileParams, keep: bool = True) -> float:
@@ -1112,13 +1136,14 @@ def _vectors(upstream, spare):
     return args
 
 
-def _stat_flags(params: TileParams, wanted: bool = True) -> dict:
-    """Which optional partial statistics the epilogue computes (the sum of t also serves label smoothing)."""
+def _stat_flags(params: TileParams, wanted: bool = True, scaled: bool = False) -> dict:
+    """Which optional partial statistics the epilogue computes (the sum of t also serves label smoothing, except in
+    a ``scaled`` launch, which takes it from W's column sum: ``forward``)."""
     stats = params.optional_stats if wanted else frozenset()
     return dict(
         ENTROPY="entropy" in stats,
         TOP1="is_top1" in stats,
-        SUM_T="mean_logit" in stats or params.label_smoothing != 0.0,
+        SUM_T="mean_logit" in stats or (params.label_smoothing != 0.0 and not scaled),
         SUM_E2="log_sum_sq_probs" in stats,
     )
 
@@ -1232,7 +1257,7 @@ def _gemm(
         # (and not where MODE 3 stores E from registers in column halves: SPLIT)
         TMA_OUT=use_tma and out is not None and out.element_size() == 2 and _tma_aligned(out) and not split,
         **_option_flags(params, (None, None, None) if mode != MODE_GRAD else upstream),
-        **_stat_flags(params, wanted=mode != MODE_GRAD),
+        **_stat_flags(params, wanted=mode != MODE_GRAD, scaled=mode == MODE_SCALED),
         FIXED_REF=fixed_ref,
         SPLIT=split,
         PARTIAL_OUT=partial_out,
@@ -1274,9 +1299,9 @@ def _launch_tuned(grid, args, flags, key) -> triton.Config:
     return config
 
 
-def _launch_target_kernel(x, weight, bias, target, params, out, grad=None):
+def _launch_target_kernel(x, weight, bias, target, params, out, grad=None, row_sums=None):
     """``_target_kernel``: ``t_y`` into ``out``, or with ``grad = (lse, entropy, upstream)`` the target column's
-    gradient."""
+    gradient; with ``row_sums = (w_sum, sum_t)`` each row's sum of t into ``sum_t`` too."""
     br = 16
     lse, entropy, upstream = grad if grad is not None else (out, out, (None, None, None))
     launch(
@@ -1292,6 +1317,7 @@ def _launch_target_kernel(x, weight, bias, target, params, out, grad=None):
         lse,
         entropy,
         *_vectors(upstream, out),
+        *((out, out) if row_sums is None else row_sums),
         x.shape[0],
         x.shape[1],
         params.ignore_index,
@@ -1300,6 +1326,7 @@ def _launch_target_kernel(x, weight, bias, target, params, out, grad=None):
         params.label_smoothing / params.vocab,
         params.z_loss,
         GRAD=grad is not None,
+        SUM_T=row_sums is not None,
         HAS_BIAS=bias is not None,
         **_option_flags(params, upstream),
         BR=br,
@@ -1341,6 +1368,7 @@ def forward(
     scaled: bool = False,
     keep_columns: int | None = None,
     upstream: Callable[[], torch.Tensor] | None = None,
+    w_sum: torch.Tensor | None = None,
 ) -> tuple[TileStats, KeptSoftmax | triton_scaled.ScaledGradient | None]:
     """Statistics of every row of ``x W^T + b`` (and, with ``keep``, what the gradient pass needs), without ever
     materialising the logits. ``rows_on_device`` (an integer tensor; statistics only, or a scaled gradient): the GEMM
@@ -1352,7 +1380,9 @@ def forward(
     is launched), for that gradient instead. ``keep_columns`` (with ``keep``, a multiple of ``COLUMN_ALIGN``): e is
     kept for the first columns only, the rest of a per-token loss's logits being recomputed in backward; with
     ``scaled`` too, as E with row scales per unit of upstream gradient (``ScaledGradient.times`` gives them the
-    per-token upstream), whose target column, where E holds it, is 0 (``target_gradient`` gives it)."""
+    per-token upstream), whose target column, where E holds it, is 0 (``target_gradient`` gives it). A label-smoothed
+    scaled gradient takes W's column sum ``w_sum`` (``column_sum``, computed here where not given: a caller with
+    several chunks passes it once) for each row's sum of t and the gradient's uniform term."""
     n, vocab = x.shape[0], params.vocab
     if keep_columns is not None and (not (keep or scaled) or keep_columns % COLUMN_ALIGN or keep_columns <= 0):
         raise ValueError(
@@ -1375,16 +1405,23 @@ def forward(
     use_tma = _tma_usable(x, weight)
     max_tiles = _max_tiles(vocab, use_tma)
     stride = partial_stride(n)
-    partials = torch.empty(_planes(params) * max_tiles * stride, **f32)
+    partials = torch.empty(_planes(params, scaled) * max_tiles * stride, **f32)
     best = torch.empty(max_tiles * stride if _stat_flags(params)["TOP1"] else 1, dtype=torch.int32, device=dev)
     fixed_ref = scaled and _row_reference(params)
-    e = t_y = None
+    e = t_y = sum_t = None
+    smoothed = scaled and params.label_smoothing != 0.0
     if scaled:
         # the GEMM's row references m = t_y + REF_OFFSET come first
         t_y = torch.empty(n, **f32)
-        _launch_target_kernel(x, weight, bias, target, params, t_y)
+        row_sums = None
+        if smoothed:
+            w_sum = column_sum(weight) if w_sum is None else w_sum
+            sum_t = torch.empty(n, **f32)
+            row_sums = (w_sum, sum_t)
+        _launch_target_kernel(x, weight, bias, target, params, t_y, row_sums=row_sums)
     if scaled:
-        e = torch.empty(n, e_columns, dtype=x.dtype, device=dev)
+        # with label smoothing a spare row after E's last, for ScaledGradient.dw_operands
+        e = torch.empty(n + smoothed, e_columns, dtype=x.dtype, device=dev)[:n]
     elif keep:
         e = torch.empty(n, e_columns, **f16)
     with TritonTileOps._device_guard(dev):
@@ -1440,6 +1477,7 @@ def forward(
             stats.is_top1.view(torch.int8),
             stats.mean_logit,
             stats.log_sum_sq_probs,
+            stats.loss if sum_t is None else sum_t,
             n,
             stride,
             vocab,
@@ -1450,7 +1488,8 @@ def forward(
             params.z_loss,
             HAS_SMOOTHING=params.label_smoothing != 0.0,
             HAS_ZLOSS=params.z_loss != 0.0,
-            **_stat_flags(params),
+            **_stat_flags(params, scaled=scaled),
+            ROW_SUM_T=sum_t is not None,
             FIXED_REF=fixed_ref,
             SCALED=scaled,
             HAS_SOFTCAP=params.softcap is not None,
@@ -1461,7 +1500,7 @@ def forward(
         )
     if scaled:
         g = None if upstream is None else upstream()
-        return stats, triton_scaled.row_scales(e, target, t_y, stats.lse, params, transform_args(params), g)
+        return stats, triton_scaled.row_scales(e, target, t_y, stats.lse, params, transform_args(params), g, w_sum)
     if not keep:
         return stats, None
     # the maxima of the tiles e is kept for (the first plane) outlive the call, apart from the other planes
@@ -1535,7 +1574,7 @@ def gradient_target_apart(
     grad_loss: torch.Tensor,
 ) -> triton_scaled.ScaledGradient:
     """A scalar loss's 16-bit logits gradient from stored e (``gradient``) where it is no row scale of ``E`` (fp16
-    operands, label smoothing), with each row's target column written as 0 and carried in float32
+    operands), with each row's target column written as 0 and carried in float32
     (``target_gradient``, from ``x`` and ``weight``: no bias). It comes back as a ``ScaledGradient`` with unit row
     scales, as the tile path's ``forward_target_apart`` gives it: the 16-bit gradient then rounds only the softmax
     part, so dW can be summed across chunks in the 16-bit gradient itself (``engine._dw_sum_in_weight_dtype``)."""

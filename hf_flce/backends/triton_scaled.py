@@ -1,11 +1,13 @@
 """The scalar loss's logits gradient as a row-scaled matrix, so that no pass over ``[rows, V]`` runs between the
 logits GEMM and the two gradient GEMMs.
 
-The gradient of a scalar loss (``base.py``, no label smoothing) is
+The gradient of a scalar loss (``base.py``) is
 
-    G_ij = (p_ij P_i + [j == y_i] O_i) dt_ij,    p_ij = exp(t_ij - lse_i)
+    G_ij = (p_ij P_i + [j == y_i] O_i) dt_ij + u_i,    p_ij = exp(t_ij - lse_i)
 
-with per-row coefficients ``P_i`` (the upstream scale, times ``1 + 2 z lse_i`` with a z-loss) and ``O_i = -upstream``.
+with per-row coefficients ``P_i`` (the upstream scale, times ``1 + 2 z lse_i`` with a z-loss), ``O_i = -(1 - eps)
+upstream`` and, with label smoothing ``eps`` (no softcap: ``dt`` is the constant ``1 / temperature``), the uniform
+term ``u_i = -(eps / V) dt upstream``.
 The epilogue GEMM (``triton_gemm``, ``MODE_SCALED``) cannot write ``G`` (``lse_i`` is known only once every column
 tile of the row is done), so it writes, in bf16,
 
@@ -19,10 +21,19 @@ exactly in float32 as ``c_i = (p_y P_i + O_i) dt_y``:
     dX = diag(s) (E W) + diag(c) W[y]        dW = E^T diag(s) X + sum_i c_i e_{y_i} x_i^T
 
 ``E W`` comes from cuBLAS with a float32 output and ``E^T (s X)`` from cuBLAS as before; the row scaling, the target
-terms and the scatter of the rows are ``[rows, H]`` passes. The old way (fp16 ``e`` relative to each tile's max, then a
-pass turning it into ``G``) read and wrote 4 bytes per logit more: 2.5-2.9 ms of qwen3-0.6b's 25 ms fwd+bwd on an
+terms and the scatter of the rows are ``[rows, H]`` passes. The old way (fp16 ``e`` relative to each tile's max, then
+a pass turning it into ``G``) read and wrote 4 bytes per logit more: 2.5-2.9 ms of qwen3-0.6b's 25 ms fwd+bwd on an
 H200. The target term in float32 also removes ``G_iy``'s bf16 rounding, which dominates the error of the target rows
 (a float64 simulation: dW error 1.66e-3 against 1.72e-3 flat and 2.3e-3 peaked before; stock 1.73e-3 / 1.6e-2).
+
+Label smoothing's uniform term is rank one. It adds ``u_i 1^T W`` to dX's rows: ``1^T W``, W's column sum, is taken
+once per call, and it also gives the loss's ``sum_j t_ij`` as ``x_i . 1^T W``. It adds ``u^T X`` to every row of dW,
+which each chunk's dW GEMM adds itself: ``E`` gets one more row, of ones, over that chunk's ``u^T X`` (in bf16) under
+``s X`` (``dw_operands``). No pass over ``[rows, V]`` or ``[V, H]`` is made for it. Unlike the target terms, it stays
+in dW's 16-bit sum across chunks (``engine._dw_sum_in_weight_dtype``). For a flat row it offsets much of the softmax
+part (``p_j - eps / V``): summed apart from it and added once, by the last chunk's GEMM, it made that sum's running
+values, and so their roundings, larger. At V = 300 (H100) dW's error was 2.74e-3 against 2.61e-3 at ``eps = 0.6``,
+and 2.16e-3 at ``eps = 0.1``, past 1.1 times the column-in gradient pass's 1.84e-3, which this sum stays within.
 
 Range. ``E_ij <= exp(lse_i - t_y,i - REF_OFFSET)`` and ``s_i x_i ~ exp(REF_OFFSET - (lse_i - t_y,i))``: while the row's
 loss ``lse - t_y`` stays below ``REPAIR_ABOVE`` (64 nats) both lie well inside bf16's range (``exp(+-32)``), and the
@@ -48,11 +59,13 @@ REF_OFFSET = 32.0
 REPAIR_ABOVE = 64.0
 
 
-def supports(x_dtype: torch.dtype, bias: torch.Tensor | None, params: TileParams) -> bool:
-    """Whether a scalar loss's gradient can be carried as ``E`` and row scales: bf16 operands (fp16 cannot hold
-    ``exp(+-32)``), no bias (its gradient would need ``E^T s``) and no label smoothing (its ``-eps/V`` term is no row
-    scale of ``E``)."""
-    return x_dtype == torch.bfloat16 and bias is None and params.label_smoothing == 0.0
+def supports(x_dtype: torch.dtype, bias: torch.Tensor | None, params: TileParams, scalar: bool = True) -> bool:
+    """Whether a loss's gradient can be carried as ``E`` and row scales: bf16 operands (fp16 cannot hold
+    ``exp(+-32)``) and no bias (its gradient would need ``E^T s``). Label smoothing only for a scalar loss (its
+    ``-eps/V`` term is carried as the uniform term, which the per-token backward does not take) and without a softcap
+    (then ``dt`` differs by column and the term is no longer rank one)."""
+    smoothing_ok = params.label_smoothing == 0.0 or (scalar and params.softcap is None)
+    return x_dtype == torch.bfloat16 and bias is None and smoothing_ok
 
 
 @triton.jit(do_not_specialize=["N"])
@@ -65,23 +78,28 @@ def _row_scales_kernel(
     g_ptr,
     r_ptr,
     q_ptr,
+    u_ptr,
     N,
     e_cols,
     ignore_index,
     t_scale,
     inv_temperature,
+    smoothing,
+    smooth_over_v,
     z_loss,
     ref_offset,
     repair_above,
     HAS_SOFTCAP: tl.constexpr,
     HAS_TEMPERATURE: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
     HAS_ZLOSS: tl.constexpr,
     HAS_UPSTREAM: tl.constexpr,
     BR: tl.constexpr,
 ):
     """Per row, per unit of upstream gradient (times the 0-d ``g`` with ``HAS_UPSTREAM``): the scale
-    ``r = exp(m - lse) (1 + 2 z lse)`` of ``E`` and the target column's gradient ``q = (p_y (1 + 2 z lse) - 1) dt_y``
-    (both 0 at ignored rows); ``E``'s target column is set to 0 where ``E`` holds it (its ``e_cols`` leading columns:
+    ``r = exp(m - lse) (1 + 2 z lse)`` of ``E``, the target column's gradient less the uniform term,
+    ``q = (p_y (1 + 2 z lse) - (1 - eps)) dt_y``, and with label smoothing the uniform term ``u = -(eps / V) dt``
+    (all 0 at ignored rows); ``E``'s target column is set to 0 where ``E`` holds it (its ``e_cols`` leading columns:
     all, or those a per-token loss keeps). Rows whose loss exceeds ``repair_above`` had ``E``
     written again with ``m = lse`` by the merge (``exact_row``), so ``r = 1 + 2 z lse`` there."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
@@ -105,13 +123,18 @@ def _row_scales_kernel(
         dt_y = tl.full((BR,), 1.0, tl.float32)
     ref = tl.where(repair, lse, t_y + ref_offset)
     r = tl.where(valid, fast_exp(ref - lse) * z_factor, 0.0)
-    q = tl.where(valid, (p_y * z_factor - 1.0) * dt_y, 0.0)
+    q = tl.where(valid, (p_y * z_factor - (1.0 - smoothing)) * dt_y, 0.0)
+    # no softcap with label smoothing (supports): dt_y is the row's dt at every column
+    u = tl.where(valid, -smooth_over_v * dt_y, 0.0)
     if HAS_UPSTREAM:
         g = tl.load(g_ptr)
         r *= g
         q *= g
+        u *= g
     tl.store(r_ptr + rows, r, mask=row_ok)
     tl.store(q_ptr + rows, q, mask=row_ok)
+    if HAS_SMOOTHING:
+        tl.store(u_ptr + rows, u, mask=row_ok)
     e_rows = e_ptr + rows.to(tl.int64) * stride_en
     in_e = valid & (y < e_cols)
     tl.store(e_rows + tl.where(in_e, y, 0), tl.zeros((BR,), tl.float32).to(e_ptr.dtype.element_ty), mask=in_e)
@@ -191,6 +214,8 @@ def _scaled_rows_kernel(
     y_ptr,
     w_ptr,
     stride_wv,
+    u_ptr,
+    w_sum_ptr,
     dst_rows_ptr,
     out_ptr,
     stride_out,
@@ -199,12 +224,14 @@ def _scaled_rows_kernel(
     row0,
     HAS_SCALE: tl.constexpr,
     HAS_TARGET: tl.constexpr,
+    HAS_UNIFORM: tl.constexpr,
     HAS_ROWS: tl.constexpr,
     BR: tl.constexpr,
     BH: tl.constexpr,
 ):
-    """``out[dst_i] = s_i src_i (+ c_i W[y_i])`` in float32 (``s_i = 1`` without ``HAS_SCALE``), stored in ``out``'s
-    dtype; ``dst_i`` is ``dst_rows[i]`` (a compacted batch's rows, scattered into the full dX) or ``row0 + i``."""
+    """``out[dst_i] = s_i src_i (+ c_i W[y_i]) (+ u_i w_sum)`` in float32 (``s_i = 1`` without ``HAS_SCALE``),
+    stored in ``out``'s dtype; ``dst_i`` is ``dst_rows[i]`` (a compacted batch's rows, scattered into the full dX) or
+    ``row0 + i``."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.program_id(1) * BH + tl.arange(0, BH)
     row_ok = rows < n
@@ -220,6 +247,9 @@ def _scaled_rows_kernel(
         w_mask = mask & (c != 0.0)[:, None]
         w_y = tl.load(w_ptr + y.to(tl.int64)[:, None] * stride_wv + cols[None, :], mask=w_mask, other=0.0)
         value += c[:, None] * w_y.to(tl.float32)
+    if HAS_UNIFORM:
+        u = tl.load(u_ptr + rows, mask=row_ok, other=0.0)
+        value += u[:, None] * tl.load(w_sum_ptr + cols, mask=cols < H, other=0.0)[None, :]
     if HAS_ROWS:
         dst = tl.load(dst_rows_ptr + rows, mask=row_ok, other=0)
     else:
@@ -345,9 +375,11 @@ def scale_rows(
     weight: torch.Tensor | None = None,
     dst_rows: torch.Tensor | None = None,
     row0: int = 0,
+    uniform: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``out[dst_i] = s_i src_i`` (``s = row_scale``, or 1 where None), plus ``c_i W[y_i]`` with ``weight``
-    (``c = target_coef``, 0 at ignored rows), in float32 and stored in ``out``'s dtype: ``_scaled_rows_kernel``."""
+    (``c = target_coef``, 0 at ignored rows) and ``u_i w_sum`` with ``uniform = (u, w_sum)``, in float32 and stored in
+    ``out``'s dtype: ``_scaled_rows_kernel``."""
     n, h = src.shape
     if n == 0:
         return out
@@ -363,6 +395,7 @@ def scale_rows(
             src if target is None else target,
             src if weight is None else weight,
             0 if weight is None else weight.stride(0),
+            *((src, src) if uniform is None else uniform),
             src if dst_rows is None else dst_rows,
             out,
             out.stride(0),
@@ -371,6 +404,7 @@ def scale_rows(
             row0,
             HAS_SCALE=row_scale is not None,
             HAS_TARGET=weight is not None,
+            HAS_UNIFORM=uniform is not None,
             HAS_ROWS=dst_rows is not None,
             BR=br,
             BH=bh,
@@ -384,40 +418,65 @@ class ScaledGradient:
     """A chunk's logits gradient ``G = diag(s) E`` plus the target column ``c`` (module docstring). ``row_scale`` and
     ``target_coef`` are per unit of upstream gradient until ``times`` gives them their per-row upstream scale, unless
     ``row_scales`` formed them for a 0-d upstream gradient already. The tile path's gradient with its target column
-    apart (``TritonTileOps.forward_target_apart``) has no row scale: ``E`` is ``G`` off the target column."""
+    apart (``TritonTileOps.forward_target_apart``) has no row scale: ``E`` is ``G`` off the target column. With
+    ``uniform_coef`` (label smoothing) ``G`` also has ``u_i`` at every column (module docstring), ``w_sum`` is W's
+    column sum, and ``E``'s buffer has a spare row after its last (``triton_gemm.forward``) for ``dw_operands``."""
 
     e: torch.Tensor  # [rows, V] 16-bit, 0 at each row's target column
     row_scale: torch.Tensor | None  # [rows] float32; None: 1
     target_coef: torch.Tensor  # [rows] float32
     target: torch.Tensor  # [rows] int64
     ignore_index: int
+    uniform_coef: torch.Tensor | None = None  # [rows] float32
+    w_sum: torch.Tensor | None = None  # [H] float32
+
+    def _with(self, e, row_scale, target_coef, target, uniform_coef) -> ScaledGradient:
+        return ScaledGradient(e, row_scale, target_coef, target, self.ignore_index, uniform_coef, self.w_sum)
 
     def head(self, rows: int) -> ScaledGradient:
         """The first ``rows`` rows (views)."""
         row_scale = None if self.row_scale is None else self.row_scale[:rows]
-        return ScaledGradient(self.e[:rows], row_scale, self.target_coef[:rows], self.target[:rows], self.ignore_index)
+        uniform = None if self.uniform_coef is None else self.uniform_coef[:rows]
+        return self._with(self.e[:rows], row_scale, self.target_coef[:rows], self.target[:rows], uniform)
 
     def times(self, upstream: torch.Tensor) -> ScaledGradient:
         """The gradient times ``upstream`` (float32, 0-d or ``[rows]``); a unit row scale becomes ``upstream``."""
         rows = self.e.shape[0]
         row_scale = upstream.expand(rows).contiguous() if self.row_scale is None else self.row_scale * upstream
-        return ScaledGradient(self.e, row_scale, self.target_coef * upstream, self.target, self.ignore_index)
+        uniform = None if self.uniform_coef is None else self.uniform_coef * upstream
+        return self._with(self.e, row_scale, self.target_coef * upstream, self.target, uniform)
 
-    def _rows(self, src, out, weight=None, dst_rows=None, row0=0):
-        return scale_rows(src, out, self.row_scale, self.target_coef, self.target, weight, dst_rows, row0)
+    def _rows(self, src, out, weight=None, dst_rows=None, row0=0, uniform=None):
+        return scale_rows(src, out, self.row_scale, self.target_coef, self.target, weight, dst_rows, row0, uniform)
 
     def write_dx(
         self, ew: torch.Tensor, weight: torch.Tensor, dx: torch.Tensor, dst_rows: torch.Tensor | None, row0: int
     ) -> None:
-        """``dx[dst] = s ew + c W[y]`` from ``ew = E W`` (float32), at ``dst_rows`` (compacted rows) or rows
-        ``row0:``."""
-        self._rows(ew, dx, weight, dst_rows, row0)
+        """``dx[dst] = s ew + c W[y] (+ u w_sum)`` from ``ew = E W`` (float32), at ``dst_rows`` (compacted rows) or
+        rows ``row0:``."""
+        uniform = None if self.uniform_coef is None else (self.uniform_coef, self.w_sum)
+        self._rows(ew, dx, weight, dst_rows, row0, uniform)
 
     def x_operand(self, x: torch.Tensor) -> torch.Tensor:
         """``diag(s) x`` in ``E``'s dtype: dW's second operand."""
         if self.row_scale is None:
             return x.to(self.e.dtype)
         return self._rows(x, torch.empty(x.shape, dtype=self.e.dtype, device=x.device))
+
+    def dw_operands(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(A, B)`` with ``A^T B = E^T diag(s) x`` plus, with a uniform term, ``u^T x`` at every row: ``E`` with a
+        row of ones after its last (its buffer's spare row) over ``diag(s) x`` with ``u^T x`` (summed in float32,
+        then rounded to ``E``'s dtype) after its last. dW's target rows come apart (``add_target_rows``)."""
+        if self.uniform_coef is None:
+            return self.e, self.x_operand(x)
+        rows, columns = self.e.shape
+        # as_strided checks that the spare row lies within E's buffer
+        e = self.e.as_strided((rows + 1, columns), self.e.stride(), self.e.storage_offset())
+        e[rows].fill_(1.0)
+        x_operand = torch.empty((rows + 1, x.shape[1]), dtype=self.e.dtype, device=x.device)
+        self._rows(x, x_operand[:rows])
+        x_operand[rows] = self.uniform_coef @ x.float()
+        return e, x_operand
 
     def scale(self, ew: torch.Tensor) -> torch.Tensor:
         """``diag(s) ew`` in place (``ew = E W``, float32): dX without the target column."""
@@ -486,13 +545,19 @@ def row_scales(
     params: TileParams,
     transform: tuple[float, float, float],
     upstream: torch.Tensor | None = None,
+    w_sum: torch.Tensor | None = None,
 ) -> ScaledGradient:
     """The chunk's ``ScaledGradient`` per unit of upstream gradient, or for the 0-d float32 ``upstream`` (what its
     ``times`` would give, without two more launches), once its lse is known (``_row_scales_kernel``; the merge has
-    rewritten the rows past ``REPAIR_ABOVE``)."""
+    rewritten the rows past ``REPAIR_ABOVE``). With label smoothing, ``w_sum`` is W's column sum (float32 ``[H]``)
+    and ``e``'s buffer has a spare row after its last."""
     n = e.shape[0]
+    smoothing = params.label_smoothing != 0.0
+    if smoothing and w_sum is None:
+        raise ValueError("a label-smoothed scaled gradient needs W's column sum (w_sum)")
     r = torch.empty(n, dtype=torch.float32, device=e.device)
     q = torch.empty(n, dtype=torch.float32, device=e.device)
+    u = torch.empty(n, dtype=torch.float32, device=e.device) if smoothing else None
     if n:
         br = 32
         with TritonTileOps._device_guard(e.device):
@@ -507,18 +572,22 @@ def row_scales(
                 r if upstream is None else upstream,
                 r,
                 q,
+                r if u is None else u,
                 n,
                 e.shape[1],
                 params.ignore_index,
                 *transform[1:],
+                params.label_smoothing,
+                params.label_smoothing / params.vocab,
                 params.z_loss,
                 REF_OFFSET,
                 REPAIR_ABOVE,
                 HAS_SOFTCAP=params.softcap is not None,
                 HAS_TEMPERATURE=params.inv_temperature != 1.0,
+                HAS_SMOOTHING=smoothing,
                 HAS_ZLOSS=params.z_loss != 0.0,
                 HAS_UPSTREAM=upstream is not None,
                 BR=br,
                 num_warps=4,
             )
-    return ScaledGradient(e, r, q, target, params.ignore_index)
+    return ScaledGradient(e, r, q, target, params.ignore_index, u, w_sum if smoothing else None)
