@@ -282,10 +282,10 @@ def _gradient_target_apart(plan: CallPlan, fused, x: torch.Tensor, bias: torch.T
     16-bit sums of dW then round only its softmax part, so they are kept in the gradient itself
     (``_dw_sum_in_weight_dtype``), with no float32 ``[V, H]`` sum. On the tile path (cuBLAS float32 logits and the
     tile passes: GPUs before Hopper, class-weighted calls) the backend's ``forward_target_apart`` does it; on the
-    epilogue path (fp16 operands; bf16 ones with ``HF_FLCE_SCALED_GRAD=0``) ``fused.gradient_target_apart``. Not with a bias (its gradient
-    would need the column too), nor for DFT on the tile path (whose pass writes the gradient with the statistics,
-    before DFT's per-row factor is known; the epilogue path's pass comes after it); ``HF_FLCE_TARGET_APART=0`` keeps
-    the column in."""
+    epilogue path (fp16 operands; bf16 ones with ``HF_FLCE_SCALED_GRAD=0``) ``fused.gradient_target_apart``. Not with a
+    bias (its gradient would need the column too), nor for DFT on the tile path (whose pass writes the gradient with the
+    statistics, before DFT's per-row factor is known; the epilogue path's pass comes after it);
+    ``HF_FLCE_TARGET_APART=0`` keeps the column in."""
     backend, method = (plan.tiles, "forward_target_apart") if fused is None else (fused, "gradient_target_apart")
     return (
         bias is None
@@ -449,9 +449,9 @@ class _FrequentClassRows:
 
 class _GradBuffers:
     """dX rows, dW (written once when there is a single chunk; across several, summed in the 16-bit gradient itself
-    with ``dw_in_weight_dtype`` (``_dw_sum_in_weight_dtype``), else in float32: ``_SplitDWSum`` for a 16-bit weight, the gradient itself for a float32 one) and db for one gradient
-    pass. ``scaled_target``: a scaled gradient's targets (per kept row), whose most frequent classes' dW rows are
-    summed in float32 where dW is 16-bit (``_FrequentClassRows``).
+    with ``dw_in_weight_dtype`` (``_dw_sum_in_weight_dtype``), else in float32: ``_SplitDWSum`` for a 16-bit weight, the
+    gradient itself for a float32 one) and db for one gradient pass. ``scaled_target``: a scaled gradient's targets (per
+    kept row), whose most frequent classes' dW rows are summed in float32 where dW is 16-bit (``_FrequentClassRows``).
     ``weight`` is the GEMM operand; the gradients come out in ``x_dtype`` and ``weight_dtype``. ``chunk_bytes``: what
     a chunk's buffers take, against which ``_SplitDWSum`` is weighed. With ``rows`` (the
     kept rows of a compacted batch of ``n_rows`` rows) each chunk's dX rows are scattered straight into the full
@@ -884,7 +884,7 @@ def _forward(x, weight, bias, target, plan: CallPlan, needs_input_grad) -> tuple
     logits_16bit = fused is None and _logits_16bit(plan, x, bias)
     if fused is not None:
         # without a gradient in forward only the partial statistics take memory; kept logits are one chunk
-        per_logit = fused.bytes_per_logit(vocab, plan.params, keep=eager)
+        per_logit = fused.bytes_per_logit(vocab, plan.params, keep=eager, scaled=scaled)
         kept_per_logit = fused.bytes_per_logit(vocab, plan.params)
     else:
         per_logit = _bytes_per_logit(plan, (plan.compute_dtype or x.dtype) if eager else None, logits_16bit)

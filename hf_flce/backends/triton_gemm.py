@@ -34,15 +34,15 @@ GEMM). Where ``e_j`` underflowed to 0, ``t_j`` is lost, but every term left ther
 vanishes, except label smoothing's ``-smooth_coef * dt_j``: softcap with label smoothing keeps the tile path. When the
 lse is already known (a per-token backward that recomputes the logits), the epilogue writes ``g`` itself, with the
 exact ``dt`` (by vocabulary chunks and without a bias, 0 at each row's target column, which ``target_gradient``
-gives in float32: bf16 would round ``p_y - 1`` to 2^-9); where e passes the keep limit, the forward keeps it for as many leading columns as fit
-(``keep_columns``), so backward recomputes only the others. Class weights are not handled here: the engine keeps the
-tile path for them.
+gives in float32: bf16 would round ``p_y - 1`` to 2^-9); where e passes the keep limit, the forward keeps it for as
+many leading columns as fit (``keep_columns``), so backward recomputes only the others. Class weights are not
+handled here: the engine keeps the tile path for them.
 
-A scalar loss on bf16 operands (no bias; label smoothing too, as a rank-one term) skips the gradient pass: ``MODE_SCALED`` stores
-``E = exp(t - t_y - 32) dt`` in bf16 against one reference per row, known before the GEMM, and the gradient GEMMs take
-``E`` with row scales (``triton_scaled.py``). So do the leading columns a bf16 per-token loss keeps past the keep
-limit (``keep_columns`` with ``scaled``), their row scales times each row's upstream gradient in backward. The pass
-over stored ``e`` remains for the other calls.
+A scalar loss on bf16 operands (no bias; with label smoothing too, as a rank-one term) skips the gradient pass:
+``MODE_SCALED`` stores ``E = exp(t - t_y - 32) dt`` in bf16 against one reference per row, known before the GEMM, and
+the gradient GEMMs take ``E`` with row scales (``triton_scaled.py``). So do the leading columns a bf16 per-token loss
+keeps past the keep limit (``keep_columns`` with ``scaled``), their row scales times each row's upstream gradient in
+backward. The pass over stored ``e`` remains for the other calls.
 """
 
 from __future__ import annotations
@@ -1078,10 +1078,10 @@ def _max_tiles(vocab: int, tma: bool | None = None) -> int:
     return cdiv(vocab, min(c.kwargs["BN"] for c in configs))
 
 
-def partial_bytes_per_row(vocab: int, params: TileParams) -> int:
+def partial_bytes_per_row(vocab: int, params: TileParams, scaled: bool = False) -> int:
     """Bytes per row of the partial statistics: ``_planes`` float32 values per tile, and an int32 argmax with
     ``is_top1``."""
-    return _max_tiles(vocab) * 4 * (_planes(params) + _stat_flags(params)["TOP1"])
+    return _max_tiles(vocab) * 4 * (_planes(params, scaled) + _stat_flags(params)["TOP1"])
 
 
 def _row_reference(params: TileParams) -> bool:
@@ -1123,9 +1123,10 @@ def column_sum(weight: torch.Tensor) -> torch.Tensor:
     return weight.sum(0, dtype=torch.float32)
 
 
-def bytes_per_logit(vocab: int, params: TileParams, keep: bool = True) -> float:
-    """Chunk memory per logit: e (then the gradient) in 16 bits when it is kept, plus the partial statistics."""
-    return (2 if keep else 0) + partial_bytes_per_row(vocab, params) / vocab
+def bytes_per_logit(vocab: int, params: TileParams, keep: bool = True, scaled: bool = False) -> float:
+    """Chunk memory per logit: e (then the gradient) in 16 bits when it is kept, plus the partial statistics (of a
+    ``scaled`` launch with ``scaled``)."""
+    return (2 if keep else 0) + partial_bytes_per_row(vocab, params, scaled) / vocab
 
 
 def _vectors(upstream, spare):

@@ -553,8 +553,6 @@ def row_scales(
     and ``e``'s buffer has a spare row after its last."""
     n = e.shape[0]
     smoothing = params.label_smoothing != 0.0
-    if smoothing and w_sum is None:
-        raise ValueError("a label-smoothed scaled gradient needs W's column sum (w_sum)")
     r = torch.empty(n, dtype=torch.float32, device=e.device)
     q = torch.empty(n, dtype=torch.float32, device=e.device)
     u = torch.empty(n, dtype=torch.float32, device=e.device) if smoothing else None
