@@ -281,7 +281,8 @@ def _gradient_target_apart(plan: CallPlan, fused, x: torch.Tensor, bias: torch.T
     gradient with each row's target column taken out and carried in float32, as the scaled gradient does: the
     16-bit sums of dW then round only its softmax part, so they are kept in the gradient itself
     (``_dw_sum_in_weight_dtype``), with no float32 ``[V, H]`` sum. On the tile path (cuBLAS float32 logits and the
-    tile passes: GPUs before Hopper, class-weighted calls) the backend's ``forward_target_apart`` does it; on the
+    tile passes: GPUs before Hopper, class-weighted calls) the backend's ``forward_target_apart`` does it (on bf16
+    without label smoothing in one sweep, as ``E`` and row scales: ``TritonTileOps.one_sweep``); on the
     epilogue path (fp16 operands; bf16 ones with ``HF_FLCE_SCALED_GRAD=0``) ``fused.gradient_target_apart``. Not with a
     bias (its gradient would need the column too), nor for DFT on the tile path (whose pass writes the gradient with the
     statistics, before DFT's per-row factor is known; the epilogue path's pass comes after it);
@@ -718,7 +719,7 @@ def _chunk_forward(
         # statistics and gradient in one pass over the logits
         grad_out = _grad_buffer(kept, x_chunk.dtype, plan.tiles)
         if target_apart:
-            stats, grad_out = plan.tiles.forward_target_apart(kept, ys, plan.params, scale, grad_out)
+            stats, grad_out = plan.tiles.forward_target_apart(kept, ys, plan.params, scale, grad_out, x_chunk, w_c)
         else:
             stats = plan.tiles.forward(kept, ys, plan.params, grad_scale=scale, grad_out=grad_out)
     elif fused is None:

@@ -17,7 +17,7 @@ the others come back as 0.
 ``t_y + 32``, the reference E is stored against, which saves the max, its cross-thread reduction and the rescaling
 multiply per logit (``FIXED_REF``; ``HF_FLCE_ROW_REFERENCE=0`` keeps the tile max). ``exp(t - t_y - 32)`` stays in
 float32's range while the row's loss is below ~120 nats; past that the sum overflows to inf and the merge computes
-that row's lse again from float32 dots (``triton_scaled.exact_row``), as it rewrites E for rows past 64 nats.
+that row's lse again from float32 dots (``triton_tiles.exact_row``), as it rewrites E for rows past 64 nats.
 
 For gradients the epilogue also stores ``e`` in fp16: ``e`` lies in (0, 1], where fp16 keeps 11 significant bits
 (bf16 keeps 8), and it comes from the float32 tile, so the logits are never rounded before the softmax. Once the
@@ -59,8 +59,16 @@ import triton.language as tl
 from . import cdiv, cuda_properties, triton_interpreting, triton_scaled
 from .base import TileParams, TileStats, check_columns
 from .triton_launch import launch
-from .triton_scaled import exact_row
-from .triton_tiles import HW_TANH, TritonTileOps, _transform, fast_exp, fast_log, logit_grad, row_grad_coefs
+from .triton_tiles import (
+    HW_TANH,
+    TritonTileOps,
+    _transform,
+    exact_row,
+    fast_exp,
+    fast_log,
+    logit_grad,
+    row_grad_coefs,
+)
 
 MODE_STATS = 0  # partial statistics only (no gradient wanted: eval, reference models)
 MODE_KEEP = 1  # partial statistics and e = exp(t - m_tile) in fp16, for the gradient pass
@@ -837,7 +845,7 @@ def _merge_kernel(
     """Row statistics from the partials of BR rows ([stat, tile, row] layout: loads are contiguous along rows).
     ``FIXED_REF``: every partial sum is relative to the row's ``t_y + ref_offset`` (no optional statistics, no bias).
     ``SCALED``: ``e`` is ``MODE_SCALED``'s E, rewritten at rows past ``repair_above``. ``x`` and ``W`` serve the rows
-    the GEMM's float32 range could not (``triton_scaled.exact_row``). ``ROW_SUM_T``: each row's sum of t comes from
+    the GEMM's float32 range could not (``triton_tiles.exact_row``). ``ROW_SUM_T``: each row's sum of t comes from
     ``sum_t`` (``_target_kernel``'s dot with W's column sum) instead of the partials."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     row_ok = rows < N

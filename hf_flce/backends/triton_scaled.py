@@ -53,7 +53,7 @@ import triton.language as tl
 from . import cdiv, next_power_of_2
 from .base import TileParams
 from .triton_launch import launch
-from .triton_tiles import HW_TANH, TritonTileOps, _transform, fast_exp
+from .triton_tiles import TritonTileOps, fast_exp
 
 REF_OFFSET = 32.0
 REPAIR_ABOVE = 64.0
@@ -138,71 +138,6 @@ def _row_scales_kernel(
     e_rows = e_ptr + rows.to(tl.int64) * stride_en
     in_e = valid & (y < e_cols)
     tl.store(e_rows + tl.where(in_e, y, 0), tl.zeros((BR,), tl.float32).to(e_ptr.dtype.element_ty), mask=in_e)
-
-
-@triton.jit
-def exact_row(
-    x_row,
-    w_ptr,
-    stride_wv,
-    V,
-    K,
-    inv_softcap,
-    t_scale,
-    inv_temperature,
-    e_row,
-    e_cols,
-    row_y,
-    row_ty,
-    row_lse,
-    repair_above,
-    HAS_SOFTCAP: tl.constexpr,
-    HAS_TEMPERATURE: tl.constexpr,
-    BV: tl.constexpr,
-    BK: tl.constexpr,
-):
-    """The slow exact path for a row the GEMM's float32 range cannot serve (the merge calls it; never met by a model
-    that trains), its logits ``t`` recomputed BV columns at a time by float32 dots. Returns the row's lse: ``row_lse``
-    unless that is inf (a sum against ``t_y + REF_OFFSET`` that overflowed), then computed again by online softmax
-    (the running sum rescaled by ``exp(m_old - m_new)`` whenever a block raises the running max). Then a row
-    whose loss exceeds ``repair_above`` gets ``E = exp(t - lse) dt`` written to ``e_row``'s ``e_cols`` leading columns
-    (all V, or those a per-token loss keeps), 0 at ``row_y``."""
-    FAST_TANH: tl.constexpr = HW_TANH and x_row.dtype.element_ty != tl.float32  # as the GEMM's epilogue
-    cols = tl.arange(0, BV)
-    ks = tl.arange(0, BK)
-    # pass 0: the lse, where it overflowed; pass 1: E, where the loss is past the bf16 range of E and s x
-    for p in range(2):
-        if ((p == 0) & (row_lse == float("inf"))) | ((p == 1) & (row_lse - row_ty > repair_above)):
-            m = tl.full((), float("-inf"), tl.float32)
-            s = tl.zeros((), tl.float32)
-            for v0 in range(0, V, BV):
-                col = v0 + cols
-                col_ok = col < V
-                acc = tl.zeros((BV,), tl.float32)
-                for k0 in range(0, K, BK):
-                    k_ok = (k0 + ks) < K
-                    xk = tl.load(x_row + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
-                    w = tl.load(
-                        w_ptr + col.to(tl.int64)[:, None] * stride_wv + (k0 + ks)[None, :],
-                        mask=col_ok[:, None] & k_ok[None, :],
-                        other=0.0,
-                    ).to(tl.float32)
-                    acc += tl.sum(w * xk[None, :], 1)
-                t, dt = _transform(acc, inv_softcap, t_scale, inv_temperature, HAS_SOFTCAP, HAS_TEMPERATURE, FAST_TANH)
-                if p == 0:
-                    t = tl.where(col_ok, t, float("-inf"))
-                    m_new = tl.maximum(m, tl.max(t, 0))
-                    s = s * tl.exp(m - m_new) + tl.sum(tl.exp(t - m_new), 0)
-                    m = m_new
-                else:
-                    e = fast_exp(t - row_lse)
-                    if HAS_SOFTCAP or HAS_TEMPERATURE:
-                        e *= dt
-                    e = tl.where(col == row_y, 0.0, e)
-                    tl.store(e_row + col, e.to(e_row.dtype.element_ty), mask=col < e_cols)
-            if p == 0:
-                row_lse = m + tl.log(s)
-    return row_lse
 
 
 @triton.jit(do_not_specialize=["n", "row0"])

@@ -1,8 +1,10 @@
 """Triton tile passes: one program per row of logits, looping over the vocabulary in blocks.
 
 Forward reads each float32 row once for every statistic (online softmax) and, when the gradient is wanted, once more
-to write it; backward reads each row once. A 16-bit gradient can be written over the row's own bytes, so a chunk
-costs 4 bytes per logit in all. Options switch code on through ``tl.constexpr`` flags, so vanilla
+to write it; backward reads each row once. A bf16 scalar loss without label smoothing needs one read
+(``SCALED``): the sweep that takes the statistics also writes the gradient up to a row scale, as the Hopper GEMM's
+epilogue does (``triton_scaled``). A 16-bit gradient can be written over the row's own bytes, so a chunk costs 4 bytes
+per logit in all. Options switch code on through ``tl.constexpr`` flags, so vanilla
 cross-entropy compiles to the lean kernel. Runs on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1``.
 """
 
@@ -110,6 +112,72 @@ def _transform(
 
 
 @triton.jit
+def exact_row(
+    x_row,
+    w_ptr,
+    stride_wv,
+    V,
+    K,
+    inv_softcap,
+    t_scale,
+    inv_temperature,
+    e_row,
+    e_cols,
+    row_y,
+    row_ty,
+    row_lse,
+    repair_above,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_TEMPERATURE: tl.constexpr,
+    BV: tl.constexpr,
+    BK: tl.constexpr,
+):
+    """The slow exact path for a row the scaled gradient's range cannot serve (the epilogue GEMM's merge and the tile
+    pass's one sweep call it; never met by a model that trains), its logits ``t`` recomputed BV columns at a time by
+    float32 dots. Returns the row's lse: ``row_lse``
+    unless that is inf (a sum against ``t_y + REF_OFFSET`` that overflowed), then computed again by online softmax
+    (the running sum rescaled by ``exp(m_old - m_new)`` whenever a block raises the running max). Then a row
+    whose loss exceeds ``repair_above`` gets ``E = exp(t - lse) dt`` written to ``e_row``'s ``e_cols`` leading columns
+    (all V, or those a per-token loss keeps), 0 at ``row_y``."""
+    FAST_TANH: tl.constexpr = HW_TANH and x_row.dtype.element_ty != tl.float32  # as the GEMM's epilogue
+    cols = tl.arange(0, BV)
+    ks = tl.arange(0, BK)
+    # pass 0: the lse, where it overflowed; pass 1: E, where the loss is past the bf16 range of E and s x
+    for p in range(2):
+        if ((p == 0) & (row_lse == float("inf"))) | ((p == 1) & (row_lse - row_ty > repair_above)):
+            m = tl.full((), float("-inf"), tl.float32)
+            s = tl.zeros((), tl.float32)
+            for v0 in range(0, V, BV):
+                col = v0 + cols
+                col_ok = col < V
+                acc = tl.zeros((BV,), tl.float32)
+                for k0 in range(0, K, BK):
+                    k_ok = (k0 + ks) < K
+                    xk = tl.load(x_row + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
+                    w = tl.load(
+                        w_ptr + col.to(tl.int64)[:, None] * stride_wv + (k0 + ks)[None, :],
+                        mask=col_ok[:, None] & k_ok[None, :],
+                        other=0.0,
+                    ).to(tl.float32)
+                    acc += tl.sum(w * xk[None, :], 1)
+                t, dt = _transform(acc, inv_softcap, t_scale, inv_temperature, HAS_SOFTCAP, HAS_TEMPERATURE, FAST_TANH)
+                if p == 0:
+                    t = tl.where(col_ok, t, float("-inf"))
+                    m_new = tl.maximum(m, tl.max(t, 0))
+                    s = s * tl.exp(m - m_new) + tl.sum(tl.exp(t - m_new), 0)
+                    m = m_new
+                else:
+                    e = fast_exp(t - row_lse)
+                    if HAS_SOFTCAP or HAS_TEMPERATURE:
+                        e *= dt
+                    e = tl.where(col == row_y, 0.0, e)
+                    tl.store(e_row + col, e.to(e_row.dtype.element_ty), mask=col < e_cols)
+            if p == 0:
+                row_lse = m + tl.log(s)
+    return row_lse
+
+
+@triton.jit
 def _row_stats(
     z_row,
     stride_zc,
@@ -118,13 +186,23 @@ def _row_stats(
     inv_softcap,
     t_scale,
     inv_temperature,
+    e_row,
+    V,
+    y,
+    m_ref,
     HAS_SOFTCAP: tl.constexpr,
     HAS_TEMPERATURE: tl.constexpr,
     HAS_WT: tl.constexpr,
+    STORE_E: tl.constexpr,
+    E_OVER_ROW: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """Running max m, sum e, sum e (t - m), sum e**2 (e = exp(t - m)), sum t, sum w t and the first argmax of one
-    row, read once (online softmax: the sums are per lane, rescaled when m grows)."""
+    row, read once (online softmax: the sums are per lane, rescaled when m grows). ``STORE_E``: the same sweep also
+    writes the scalar loss's ``E = exp(t - m_ref) dt`` to ``e_row``'s V columns (0 at column ``y`` and past
+    ``v_read``), against the fixed reference ``m_ref`` (``triton_scaled``). It then runs from the row's end, so that
+    ``E_OVER_ROW``, E in the second half of the row's own float32 bytes, only overwrites logits already read (see
+    ``_tile_kernel``'s gradient loop)."""
     cols = tl.arange(0, BLOCK)
     m = tl.full((), _NEG_BIG, tl.float32)
     best = tl.zeros((), tl.int32)
@@ -133,11 +211,16 @@ def _row_stats(
     s2 = tl.zeros((BLOCK,), tl.float32)
     st = tl.zeros((BLOCK,), tl.float32)
     swt = tl.zeros((BLOCK,), tl.float32)
-    for start in range(0, v_read, BLOCK):
+    n_blocks = tl.cdiv(V if STORE_E else v_read, BLOCK)
+    for i in range(0, n_blocks):
+        start = (n_blocks - 1 - i) * BLOCK if STORE_E else i * BLOCK
         offs = start + cols
         mask = offs < v_read
         z = tl.load(z_row + offs * stride_zc, mask=mask, other=0.0)
-        t, _ = _transform(z, inv_softcap, t_scale, inv_temperature, HAS_SOFTCAP, HAS_TEMPERATURE)
+        if E_OVER_ROW:
+            # another warp's store below may land on elements this block reads: every load first
+            tl.debug_barrier()
+        t, dt = _transform(z, inv_softcap, t_scale, inv_temperature, HAS_SOFTCAP, HAS_TEMPERATURE)
         t_or_inf = tl.where(mask, t, float("-inf"))
         block_max = tl.max(t_or_inf, 0)
         # The running max rarely changes after the first blocks: rescale the sums only when it does.
@@ -149,6 +232,10 @@ def _row_stats(
             # strict >: an earlier block keeps a tie, and tl.argmax takes the first index within a block
             best = start + tl.argmax(t_or_inf, 0)
             m = block_max
+        elif STORE_E:
+            if block_max == m:
+                # from the row's end, a tie goes to the block of lower columns
+                best = start + tl.argmax(t_or_inf, 0)
         e = fast_exp(t_or_inf - m)
         se += e * (t - m)
         s += e
@@ -156,6 +243,12 @@ def _row_stats(
         st += t
         if HAS_WT:
             swt += tl.load(weight_ptr + offs, mask=mask, other=0.0) * t
+        if STORE_E:
+            e_ref = fast_exp(t_or_inf - m_ref)
+            if HAS_SOFTCAP or HAS_TEMPERATURE:
+                e_ref *= dt
+            e_ref = tl.where(offs == y, 0.0, e_ref)
+            tl.store(e_row + offs, e_ref.to(e_row.dtype.element_ty), mask=offs < V)
     return m, tl.sum(s, 0), tl.sum(se, 0), tl.sum(s2, 0), tl.sum(st, 0), tl.sum(swt, 0), best
 
 
@@ -252,6 +345,14 @@ def _tile_kernel(
     stride_gr,
     stride_gc,
     target_coef_ptr,
+    row_scale_ptr,
+    x_ptr,
+    stride_xn,
+    w_ptr,
+    stride_wv,
+    K,
+    ref_offset,
+    repair_above,
     V,
     col_offset,
     ignore_index,
@@ -272,6 +373,7 @@ def _tile_kernel(
     HAS_WEIGHT: tl.constexpr,
     GRAD_OVER_ROW: tl.constexpr,
     TARGET_APART: tl.constexpr,
+    SCALED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """One row. STATS (forward): computes and stores the row's statistics, else (backward) reads its lse and
@@ -279,7 +381,11 @@ def _tile_kernel(
     d/dz of g_loss * loss + g_logprob * logp + g_entropy * H (see base.py). Ignored rows read no logits, and get
     zero statistics and a zero gradient. In backward the row's V logits may be a vocabulary chunk's, the columns from
     ``col_offset`` on (STATS needs the whole row, ``col_offset`` 0). TARGET_APART: the target column is written as 0
-    and its gradient stored in float32 at ``target_coef_ptr + row`` (0 at ignored rows)."""
+    and its gradient stored in float32 at ``target_coef_ptr + row`` (0 at ignored rows). SCALED (with STATS,
+    TARGET_APART and HAS_GL alone; no label smoothing): one sweep instead of two, writing the
+    scalar loss's ``E = exp(t - m) dt`` against ``m = t_y + ref_offset`` while it takes the statistics, and the row
+    scale ``r`` at ``row_scale_ptr + row`` with ``G = r E`` off the target column (``triton_scaled``). A row whose
+    loss exceeds ``repair_above`` has E written again with ``m = lse`` from ``x`` and ``W`` (``exact_row``)."""
     row = tl.program_id(0).to(tl.int64)
     y = tl.load(target_ptr + row * stride_y)
     valid = y != ignore_index
@@ -291,7 +397,13 @@ def _tile_kernel(
     else:
         w_y = 1.0
 
+    g_row = g_ptr + row * stride_gr
     if STATS:
+        # read before the sweep: with SCALED, E may overwrite it
+        z_y = tl.load(z_row + y * stride_zc, mask=valid, other=0.0)
+        t_y, dt_y = _transform(z_y, inv_softcap, t_scale, inv_temperature, HAS_SOFTCAP, HAS_TEMPERATURE)
+        # +inf at ignored rows: their E is 0
+        m_ref = tl.where(valid, t_y + ref_offset, float("inf"))
         m, sum_exp, sum_e_tm, sum_e2, sum_t, sum_wt, best = _row_stats(
             z_row,
             stride_zc,
@@ -300,9 +412,15 @@ def _tile_kernel(
             inv_softcap,
             t_scale,
             inv_temperature,
+            g_row,
+            V,
+            y,
+            m_ref,
             HAS_SOFTCAP,
             HAS_TEMPERATURE,
             HAS_SMOOTHING and HAS_WEIGHT,
+            SCALED,
+            GRAD_OVER_ROW,
             BLOCK,
         )
         # ignored rows summed nothing: this keeps their (discarded) stats finite
@@ -312,8 +430,6 @@ def _tile_kernel(
         lse = m + log_sum_exp
         # H = lse - sum p t = log(sum e) - sum e (t - m) / sum e: no cancellation of two large terms
         entropy = log_sum_exp - sum_e_tm / sum_exp
-        z_y = tl.load(z_row + y * stride_zc, mask=valid, other=0.0)
-        t_y, _ = _transform(z_y, inv_softcap, t_scale, inv_temperature, HAS_SOFTCAP, HAS_TEMPERATURE)
         loss = (1.0 - smoothing) * w_y * (lse - t_y)
         if HAS_SMOOTHING:
             if HAS_WEIGHT:
@@ -361,7 +477,35 @@ def _tile_kernel(
             HAS_ZLOSS,
             HAS_WEIGHT,
         )
-        g_row = g_ptr + row * stride_gr
+    if SCALED:
+        repair = valid & (lse - t_y > repair_above)
+        if repair:
+            exact_row(
+                x_ptr + row * stride_xn,
+                w_ptr,
+                stride_wv,
+                V,
+                K,
+                inv_softcap,
+                t_scale,
+                inv_temperature,
+                g_row,
+                V,
+                y,
+                t_y,
+                lse,
+                repair_above,
+                HAS_SOFTCAP,
+                HAS_TEMPERATURE,
+                128,
+                64,
+            )
+        # G_j = p_j p_coef dt_j = E_j exp(m - lse) p_coef off the target column; at it (p_y p_coef + onehot) dt_y
+        scale = fast_exp(tl.where(repair, lse, m_ref) - lse) * p_coef
+        p_y = fast_exp(tl.minimum(t_y - lse, 0.0))
+        tl.store(row_scale_ptr + row, tl.where(valid, scale, 0.0))
+        tl.store(target_coef_ptr + row, tl.where(valid, (p_y * p_coef + onehot_coef) * dt_y, 0.0))
+    elif HAS_GL or HAS_GLP or HAS_GE:
         cols = tl.arange(0, BLOCK)
         n_blocks = tl.cdiv(V, BLOCK)
         y_col = y - col_offset
@@ -483,11 +627,13 @@ class TritonTileOps:
         stats: TileStats | None,
         first_column: int = 0,
         target_coef: torch.Tensor | None = None,
+        scaled: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         """Runs the kernel over every row: ``stats`` given, it fills them (and ``lse``, ``entropy``, which are its
         fields); else it reads ``lse`` and ``entropy``. Any upstream gradient given, it writes ``grad_out``, with
         ``target_coef`` (float32 ``[rows]``) its target column there and 0 in ``grad_out``. ``logits`` holds the
-        vocabulary's columns from ``first_column`` on (backward only)."""
+        vocabulary's columns from ``first_column`` on (backward only). ``scaled = (row_scale, x, weight)``: the
+        kernel's SCALED sweep, ``grad_out`` then ``E`` and ``row_scale`` (float32 ``[rows]``) its row scales."""
         rows, n_cols = logits.shape
         if rows == 0:
             return
@@ -507,6 +653,12 @@ class TritonTileOps:
         cw, cw_sum = params.class_weight, params.class_weight_sum
         softcap = params.softcap
         block, num_warps = self._config(n_cols, rows, logits.device)
+        row_scale, x, weight = (spare, spare, spare) if scaled is None else scaled
+        ref_offset = repair_above = 0.0
+        if scaled is not None:
+            from . import triton_scaled  # it builds on this module's kernels
+
+            ref_offset, repair_above = triton_scaled.REF_OFFSET, triton_scaled.REPAIR_ABOVE
         with self._device_guard(logits.device):
             launch(
                 _tile_kernel,
@@ -528,6 +680,14 @@ class TritonTileOps:
                 grad.stride(0),
                 grad.stride(1),
                 spare if target_coef is None else target_coef,
+                row_scale,
+                x,
+                x.stride(0),
+                weight,
+                weight.stride(0),
+                x.shape[-1],
+                ref_offset,
+                repair_above,
                 n_cols,
                 first_column,
                 params.ignore_index,
@@ -548,6 +708,7 @@ class TritonTileOps:
                 HAS_WEIGHT=cw is not None,
                 GRAD_OVER_ROW=grad.dtype != logits.dtype and _same_storage(grad, logits),
                 TARGET_APART=target_coef is not None,
+                SCALED=scaled is not None,
                 BLOCK=block,
                 num_warps=num_warps,
             )
@@ -595,20 +756,43 @@ class TritonTileOps:
         params: TileParams,
         grad_scale: torch.Tensor,
         grad_out: torch.Tensor,
+        x: torch.Tensor | None = None,
+        weight: torch.Tensor | None = None,
     ) -> tuple[TileStats, ScaledGradient]:
         """``forward`` with the gradient's target column taken out of ``grad_out`` (0 there) and carried per row in
-        float32: the gradient comes back as a ``ScaledGradient`` with unit row scales, whose dX and dW add that column
-        in float32 (``dX = G W + c W[y]``, ``dW = G^T X + sum_i c_i e_{y_i} x_i^T``). A 16-bit ``grad_out`` then rounds
-        only the softmax part, so dW can be summed across chunks in the 16-bit gradient itself (``engine.
-        _dw_sum_in_weight_dtype``)."""
+        float32: the gradient comes back as a ``ScaledGradient``, whose dX and dW add that column in float32
+        (``dX = G W + c W[y]``, ``dW = G^T X + sum_i c_i e_{y_i} x_i^T``). A 16-bit ``grad_out`` then rounds only the
+        softmax part, so dW can be summed across chunks in the 16-bit gradient itself (``engine.
+        _dw_sum_in_weight_dtype``). Given the logits GEMM's operands ``x`` and ``weight`` where ``one_sweep`` allows,
+        ``grad_out`` gets ``E`` and the gradient has row scales, from one sweep over the logits instead of two (the
+        slow exact path of a row past ``E``'s range recomputes its logits from them); else it has unit row scales."""
         from .triton_scaled import ScaledGradient  # it builds on this module's kernels
 
         rows = logits.shape[0]
         stats = TileStats.empty(rows, logits.device)
         coef = torch.empty(rows, dtype=torch.float32, device=logits.device)
+        row_scale = scaled = None
+        if x is not None and weight is not None and self.one_sweep(grad_out, params, x, weight):
+            row_scale = torch.empty(rows, dtype=torch.float32, device=logits.device)
+            scaled = (row_scale, x, weight)
         upstream = (grad_scale, None, None)
-        self._launch(logits, target, params, stats.lse, stats.entropy, upstream, grad_out, stats, 0, coef)
-        return stats, ScaledGradient(grad_out, None, coef, target, params.ignore_index)
+        self._launch(logits, target, params, stats.lse, stats.entropy, upstream, grad_out, stats, 0, coef, scaled)
+        return stats, ScaledGradient(grad_out, row_scale, coef, target, params.ignore_index)
+
+    @staticmethod
+    def one_sweep(grad_out: torch.Tensor, params: TileParams, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether ``forward_target_apart`` writes ``E`` and row scales in one sweep: a bf16 gradient (fp16 cannot
+        hold ``E``'s ``exp(+-32)``), no label smoothing (its ``-eps/V`` term is no row scale of ``E``; a class weight
+        alone is, ``w_y``), unit column strides; ``HF_FLCE_SCALED_GRAD=0`` keeps the two sweeps (for A/B
+        measurements)."""
+        return (
+            grad_out.dtype == torch.bfloat16
+            and params.label_smoothing == 0.0
+            and grad_out.stride(1) == 1
+            and x.stride(-1) == 1
+            and weight.stride(-1) == 1
+            and os.environ.get("HF_FLCE_SCALED_GRAD", "1") != "0"
+        )
 
     def backward(
         self,
