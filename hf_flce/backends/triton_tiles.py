@@ -1,11 +1,10 @@
 """Triton tile passes: one program per row of logits, looping over the vocabulary in blocks.
 
 Forward reads each float32 row once for every statistic (online softmax) and, when the gradient is wanted, once more
-to write it; backward reads each row once. A bf16 scalar loss without label smoothing needs one read
-(``SCALED``): the sweep that takes the statistics also writes the gradient up to a row scale, as the Hopper GEMM's
-epilogue does (``triton_scaled``). A 16-bit gradient can be written over the row's own bytes, so a chunk costs 4 bytes
-per logit in all. Options switch code on through ``tl.constexpr`` flags, so vanilla
-cross-entropy compiles to the lean kernel. Runs on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1``.
+to write it; backward reads each row once. A bf16 scalar loss without label smoothing needs one read (``SCALED``):
+the sweep that takes the statistics also writes the gradient up to a row scale, as the Hopper GEMM's epilogue does
+(``triton_scaled``). A 16-bit gradient can be written over the row's own bytes, so a chunk costs 4 bytes per logit in
+all. Options switch code on through ``tl.constexpr`` flags, so vanilla cross-entropy compiles to the lean kernel. Runs on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1``.
 """
 
 from __future__ import annotations
@@ -134,11 +133,10 @@ def exact_row(
 ):
     """The slow exact path for a row the scaled gradient's range cannot serve (the epilogue GEMM's merge and the tile
     pass's one sweep call it; never met by a model that trains), its logits ``t`` recomputed BV columns at a time by
-    float32 dots. Returns the row's lse: ``row_lse``
-    unless that is inf (a sum against ``t_y + REF_OFFSET`` that overflowed), then computed again by online softmax
-    (the running sum rescaled by ``exp(m_old - m_new)`` whenever a block raises the running max). Then a row
-    whose loss exceeds ``repair_above`` gets ``E = exp(t - lse) dt`` written to ``e_row``'s ``e_cols`` leading columns
-    (all V, or those a per-token loss keeps), 0 at ``row_y``."""
+    float32 dots. Returns the row's lse: ``row_lse`` unless that is inf (a sum against ``t_y + REF_OFFSET`` that
+    overflowed), then computed again by online softmax (the running sum rescaled by ``exp(m_old - m_new)`` whenever a
+    block raises the running max). Then a row whose loss exceeds ``repair_above`` gets ``E = exp(t - lse) dt`` written
+    to ``e_row``'s ``e_cols`` leading columns (all V, or those a per-token loss keeps), 0 at ``row_y``."""
     FAST_TANH: tl.constexpr = HW_TANH and x_row.dtype.element_ty != tl.float32  # as the GEMM's epilogue
     cols = tl.arange(0, BV)
     ks = tl.arange(0, BK)
@@ -382,10 +380,10 @@ def _tile_kernel(
     zero statistics and a zero gradient. In backward the row's V logits may be a vocabulary chunk's, the columns from
     ``col_offset`` on (STATS needs the whole row, ``col_offset`` 0). TARGET_APART: the target column is written as 0
     and its gradient stored in float32 at ``target_coef_ptr + row`` (0 at ignored rows). SCALED (with STATS,
-    TARGET_APART and HAS_GL alone; no label smoothing): one sweep instead of two, writing the
-    scalar loss's ``E = exp(t - m) dt`` against ``m = t_y + ref_offset`` while it takes the statistics, and the row
-    scale ``r`` at ``row_scale_ptr + row`` with ``G = r E`` off the target column (``triton_scaled``). A row whose
-    loss exceeds ``repair_above`` has E written again with ``m = lse`` from ``x`` and ``W`` (``exact_row``)."""
+    TARGET_APART and HAS_GL alone; no label smoothing): one sweep instead of two, writing the scalar loss's
+    ``E = exp(t - m) dt`` against ``m = t_y + ref_offset`` while it takes the statistics, and the row scale ``r`` at
+    ``row_scale_ptr + row`` with ``G = r E`` off the target column (``triton_scaled``). A row whose loss exceeds
+    ``repair_above`` has E written again with ``m = lse`` from ``x`` and ``W`` (``exact_row``)."""
     row = tl.program_id(0).to(tl.int64)
     y = tl.load(target_ptr + row * stride_y)
     valid = y != ignore_index
