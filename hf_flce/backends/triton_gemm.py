@@ -1119,9 +1119,7 @@ def supports(dtype: torch.dtype, weight: torch.Tensor, bias: torch.Tensor | None
 
 def scaled_gradient_supports(dtype: torch.dtype, bias: torch.Tensor | None, plan) -> bool:
     """Whether a loss's gradient comes as a ``triton_scaled.ScaledGradient`` (``forward(scaled=True)``):
-    ``triton_scaled.supports``, unless ``HF_FLCE_SCALED_GRAD=0`` asks for the gradient pass over stored e."""
-    if os.environ.get("HF_FLCE_SCALED_GRAD", "1") == "0":
-        return False
+    ``triton_scaled.supports`` (``HF_FLCE_SCALED_GRAD=0`` asks for the gradient pass over stored e)."""
     return triton_scaled.supports(dtype, bias, plan.params, scalar=plan.reduction == "scalar")
 
 
@@ -1585,7 +1583,7 @@ def gradient_target_apart(
     """A scalar loss's 16-bit logits gradient from stored e (``gradient``) where it is no row scale of ``E`` (fp16
     operands), with each row's target column written as 0 and carried in float32
     (``target_gradient``, from ``x`` and ``weight``: no bias). It comes back as a ``ScaledGradient`` with unit row
-    scales, as the tile path's ``forward_target_apart`` gives it: the 16-bit gradient then rounds only the softmax
+    scales, as the tile path's two sweeps give it (``forward_target_apart``): the 16-bit gradient then rounds only the softmax
     part, so dW can be summed across chunks in the 16-bit gradient itself (``engine._dw_sum_in_weight_dtype``)."""
     grad = gradient(kept, target, stats.lse, stats.entropy, params, x.dtype, grad_loss, target_apart=True)
     coef = target_gradient(x, weight, target, stats.lse, stats.entropy, params, grad_loss)

@@ -44,6 +44,7 @@ float32 dot per column: slow, and never met in practice, but exact.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -63,7 +64,10 @@ def supports(x_dtype: torch.dtype, bias: torch.Tensor | None, params: TileParams
     """Whether a loss's gradient can be carried as ``E`` and row scales: bf16 operands (fp16 cannot hold
     ``exp(+-32)``) and no bias (its gradient would need ``E^T s``). Label smoothing only for a scalar loss (its
     ``-eps/V`` term is carried as the uniform term, which the per-token backward does not take) and without a softcap
-    (then ``dt`` differs by column and the term is no longer rank one)."""
+    (then ``dt`` differs by column and the term is no longer rank one). ``HF_FLCE_SCALED_GRAD=0`` turns it off (for
+    A/B measurements: the epilogue path's gradient pass over stored e, the tile path's two sweeps)."""
+    if os.environ.get("HF_FLCE_SCALED_GRAD", "1") == "0":
+        return False
     smoothing_ok = params.label_smoothing == 0.0 or (scalar and params.softcap is None)
     return x_dtype == torch.bfloat16 and bias is None and smoothing_ok
 
@@ -353,7 +357,8 @@ class ScaledGradient:
     """A chunk's logits gradient ``G = diag(s) E`` plus the target column ``c`` (module docstring). ``row_scale`` and
     ``target_coef`` are per unit of upstream gradient until ``times`` gives them their per-row upstream scale, unless
     ``row_scales`` formed them for a 0-d upstream gradient already. The tile path's gradient with its target column
-    apart (``TritonTileOps.forward_target_apart``) has no row scale: ``E`` is ``G`` off the target column. With
+    apart (``TritonTileOps.forward_target_apart``) has row scales where it took one sweep, else none: ``E`` is then
+    ``G`` off the target column. With
     ``uniform_coef`` (label smoothing) ``G`` also has ``u_i`` at every column (module docstring), ``w_sum`` is W's
     column sum, and ``E``'s buffer has a spare row after its last (``triton_gemm.forward``) for ``dw_operands``."""
 

@@ -779,17 +779,18 @@ class TritonTileOps:
 
     @staticmethod
     def one_sweep(grad_out: torch.Tensor, params: TileParams, x: torch.Tensor, weight: torch.Tensor) -> bool:
-        """Whether ``forward_target_apart`` writes ``E`` and row scales in one sweep: a bf16 gradient (fp16 cannot
-        hold ``E``'s ``exp(+-32)``), no label smoothing (its ``-eps/V`` term is no row scale of ``E``; a class weight
-        alone is, ``w_y``), unit column strides; ``HF_FLCE_SCALED_GRAD=0`` keeps the two sweeps (for A/B
-        measurements)."""
+        """Whether ``forward_target_apart`` writes ``E`` and row scales in one sweep: a gradient that can be carried
+        so (``triton_scaled.supports``: bf16; ``HF_FLCE_SCALED_GRAD=0`` keeps the two sweeps), without label smoothing
+        (the epilogue path carries its ``-eps/V`` term by a spare row under ``E``, which here would lie inside the
+        logits buffer; a class weight is a row scale, ``w_y``), and unit column strides."""
+        from . import triton_scaled  # it builds on this module's kernels
+
         return (
-            grad_out.dtype == torch.bfloat16
+            triton_scaled.supports(grad_out.dtype, None, params)
             and params.label_smoothing == 0.0
             and grad_out.stride(1) == 1
             and x.stride(-1) == 1
             and weight.stride(-1) == 1
-            and os.environ.get("HF_FLCE_SCALED_GRAD", "1") != "0"
         )
 
     def backward(
