@@ -70,16 +70,29 @@ def mm_fp32(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor | None = None) -
 
 
 def compute_logits(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, keep_16bit: bool = False
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    keep_16bit: bool = False,
+    spare_row: bool = False,
 ) -> torch.Tensor:
     """``x W^T + b`` in float32, so the logits are never rounded to 16 bits before the softmax (stock HF rounds
     them, which costs accuracy on peaked distributions). ``keep_16bit`` (see ``_logits_16bit``): the 16-bit GEMM
-    output as it is, where a float32 result would only be its upcast copy."""
+    output as it is, where a float32 result would only be its upcast copy. ``spare_row``: the float32 logits'
+    buffer has one more row after their last, for a label-smoothed gradient's row of ones under ``E``
+    (``ScaledGradient.dw_operands``)."""
     if keep_16bit:
         return torch.mm(x, weight.t())
-    if bias is not None and x.dtype == torch.float32 and bias.dtype == torch.float32:
+    if spare_row:
+        logits = torch.empty((x.shape[0] + 1, weight.shape[0]), dtype=torch.float32, device=x.device)[:-1]
+        if _fp32_out(x):
+            torch.mm(x, weight.t(), out_dtype=torch.float32, out=logits)
+        else:
+            logits.copy_(torch.mm(x, weight.t()))
+    elif bias is not None and x.dtype == torch.float32 and bias.dtype == torch.float32:
         return torch.addmm(bias, x, weight.t())
-    logits = mm_fp32(x, weight.t())
+    else:
+        logits = mm_fp32(x, weight.t())
     if bias is not None:
         logits += bias.float()
     return logits
@@ -281,9 +294,9 @@ def _gradient_target_apart(plan: CallPlan, fused, x: torch.Tensor, bias: torch.T
     gradient with each row's target column taken out and carried in float32, as the scaled gradient does: the
     16-bit sums of dW then round only its softmax part, so they are kept in the gradient itself
     (``_dw_sum_in_weight_dtype``), with no float32 ``[V, H]`` sum. On the tile path (cuBLAS float32 logits and the
-    tile passes: GPUs before Hopper, class-weighted calls) the backend's ``forward_target_apart`` does it (on bf16
-    without label smoothing in one sweep, as ``E`` and row scales: ``TritonTileOps.one_sweep``); on the
-    epilogue path (fp16 operands; bf16 ones with ``HF_FLCE_SCALED_GRAD=0``) ``fused.gradient_target_apart``. Not with a
+    tile passes: GPUs before Hopper, class-weighted calls) the backend's ``forward_target_apart`` does it (on bf16 in
+    one sweep, as ``E`` and row scales, but for label smoothing with class weights: ``TritonTileOps.one_sweep``); on
+    the epilogue path (fp16 operands; bf16 ones with ``HF_FLCE_SCALED_GRAD=0``) ``fused.gradient_target_apart``. Not with a
     bias (its gradient would need the column too), nor for DFT on the tile path (whose pass writes the gradient with the
     statistics, before DFT's per-row factor is known; the epilogue path's pass comes after it);
     ``HF_FLCE_TARGET_APART=0`` keeps the column in."""
@@ -295,6 +308,13 @@ def _gradient_target_apart(plan: CallPlan, fused, x: torch.Tensor, bias: torch.T
         and hasattr(backend, method)
         and _target_column_apart()
     )
+
+
+def _tile_one_sweep(plan: CallPlan, fused, x: torch.Tensor) -> bool:
+    """Whether a tile-path call whose gradient has its target column apart can take it in one sweep over the logits
+    (``TritonTileOps.one_sweep``)."""
+    one_sweep = getattr(plan.tiles, "one_sweep", None)
+    return fused is None and one_sweep is not None and one_sweep(plan.compute_dtype or x.dtype, plan.params)
 
 
 def _scaled_gradient(plan: CallPlan, fused, w_c: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -689,7 +709,8 @@ def _chunk_forward(
     reading that count from ``rows_on_device``): called once the GEMM is launched, it returns how many of the
     chunk's leading rows count, and the results are cut to them. ``keep_columns`` (with ``keep``): only the leading
     columns' e is kept. ``target_apart``: a gradient that is not a scaled one comes with its target column apart
-    (``_gradient_target_apart``). ``w_sum``: W's column sum, for a label-smoothed scaled gradient."""
+    (``_gradient_target_apart``). ``w_sum``: W's column sum, for a label-smoothed scaled gradient (on the tile path
+    its logits then have a spare row, ``compute_logits``)."""
     n_rows = x_chunk.shape[0]
     # a scaled gradient's row scales come from the GEMM's path already times the upstream 0-d (no pass for it), but
     # for DFT, whose per-row factor is known only after the statistics
@@ -712,14 +733,16 @@ def _chunk_forward(
             n_rows = settle()
             stats, kept, ys = stats.head(n_rows), kept.head(n_rows), ys[:n_rows]
     else:
-        kept = compute_logits(x_chunk, w_c, bias, _logits_16bit(plan, x_chunk, bias))
+        kept = compute_logits(x_chunk, w_c, bias, _logits_16bit(plan, x_chunk, bias), spare_row=w_sum is not None)
     scale = inv_denominator().expand(n_rows) if eager and scaled_upstream is None else None
     grad_out = prob = None
     if fused is None and eager and not plan.prob_weighted:
         # statistics and gradient in one pass over the logits
         grad_out = _grad_buffer(kept, x_chunk.dtype, plan.tiles)
         if target_apart:
-            stats, grad_out = plan.tiles.forward_target_apart(kept, ys, plan.params, scale, grad_out, x_chunk, w_c)
+            stats, grad_out = plan.tiles.forward_target_apart(
+                kept, ys, plan.params, scale, grad_out, x_chunk, w_c, w_sum
+            )
         else:
             stats = plan.tiles.forward(kept, ys, plan.params, grad_scale=scale, grad_out=grad_out)
     elif fused is None:
@@ -967,8 +990,10 @@ def _forward(x, weight, bias, target, plan: CallPlan, needs_input_grad) -> tuple
     def inv_denominator() -> torch.Tensor:
         return plan.denominator().to(torch.float32).reciprocal()
 
-    # label smoothing's uniform term and sum of t, once per call (triton_scaled)
-    w_sum = fused.column_sum(w_c) if scaled and eager and plan.params.label_smoothing != 0.0 else None
+    # label smoothing's uniform term, and on the epilogue path its sum of t, once per call (triton_scaled)
+    w_sum = None
+    if eager and plan.params.label_smoothing != 0.0 and (scaled or (target_apart and _tile_one_sweep(plan, fused, x))):
+        w_sum = w_c.sum(0, dtype=torch.float32)
     grads = kept = None
     chunk_stats, chunk_probs = [], []
     start = 0

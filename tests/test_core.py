@@ -120,9 +120,9 @@ def test_per_token_recompute_walks_the_vocabulary_in_column_chunks(backend, name
     widths = []
     real_logits = engine.compute_logits
 
-    def logits_of(x_rows, w_rows, *args):
+    def logits_of(x_rows, w_rows, *args, **kwargs):
         widths.append(w_rows.shape[0])
-        return real_logits(x_rows, w_rows, *args)
+        return real_logits(x_rows, w_rows, *args, **kwargs)
 
     with (
         mock.patch.object(engine, "_recompute_by_columns", wraps=engine._recompute_by_columns) as by_columns,
@@ -144,9 +144,9 @@ def test_cpu_16bit_column_chunks_budget_the_upcast_gradient():
     widths = []
     real_logits = engine.compute_logits
 
-    def logits_of(x_rows, w_rows, *args):
+    def logits_of(x_rows, w_rows, *args, **kwargs):
         widths.append(w_rows.shape[0])
-        return real_logits(x_rows, w_rows, *args)
+        return real_logits(x_rows, w_rows, *args, **kwargs)
 
     with mock.patch.object(engine, "compute_logits", side_effect=logits_of):
         _compare(x, w, y, None, {"reduction": "none", "memory_budget": 64 * 6 * 256}, "random", rtol=2e-2)
@@ -164,9 +164,9 @@ def test_cpu_autocast_column_chunks_upcast_the_rows_once_within_the_budget():
     widths, upcasts = [], []
     real_logits, real_float = engine.compute_logits, torch.Tensor.float
 
-    def logits_of(x_rows, w_rows, *args):
+    def logits_of(x_rows, w_rows, *args, **kwargs):
         widths.append(w_rows.shape[0])
-        return real_logits(x_rows, w_rows, *args)
+        return real_logits(x_rows, w_rows, *args, **kwargs)
 
     def counted_float(t):
         if t.dtype == torch.bfloat16 and t.shape == (n, h):

@@ -414,7 +414,15 @@ def test_tiles_target_column_apart_match_float64(names, layout):
     assert not grad.target_coef[~kept].any()
 
 
-ONE_SWEEP_CASES = [(), ("z_loss",), ("softcap", "temperature"), ("softcap", "z_loss"), ("class_weight", "z_loss")]
+ONE_SWEEP_CASES = [
+    (),
+    ("z_loss",),
+    ("softcap", "temperature"),
+    ("softcap", "z_loss"),
+    ("class_weight", "z_loss"),
+    ("smoothing",),
+    ("smoothing", "temperature", "z_loss"),
+]
 
 
 def one_sweep_inputs(rows=8, h=16, v=257, seed=0):
@@ -438,15 +446,36 @@ def one_sweep_inputs(rows=8, h=16, v=257, seed=0):
     return x, weight, x @ weight.T, target.to(DEVICE)
 
 
+def one_sweep_buffers(logits: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A copy of the float32 logits and the bf16 ``E`` the one sweep writes, over the second half of each logits row
+    (``row-tail``) or apart (``bf16``), each buffer with a spare row after its last (for label smoothing's uniform
+    term, ``ScaledGradient.dw_operands``)."""
+    rows, v = logits.shape
+    work = torch.empty(rows + 1, v, device=DEVICE)[:rows].copy_(logits)
+    if layout == "row-tail":
+        return work, work.view(torch.bfloat16)[:, v:]
+    return work, torch.empty(rows + 1, v, dtype=torch.bfloat16, device=DEVICE)[:rows]
+
+
+def test_spare_row():
+    """``ScaledGradient.has_spare_row`` at each layout: a row after the last, at the row stride, in the buffer."""
+    has_spare_row = triton_scaled.ScaledGradient.has_spare_row
+    logits = torch.zeros(3, 5, device=DEVICE)
+    for layout in ("row-tail", "bf16"):
+        _, e = one_sweep_buffers(logits, layout)
+        assert has_spare_row(e) and not has_spare_row(torch.empty_like(e))
+    assert not has_spare_row(logits.view(torch.bfloat16)[:, 5:])
+
+
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy, in the interpreter, about row 5's overflowing E
 @pytest.mark.parametrize("names", ONE_SWEEP_CASES, ids=lambda c: "+".join(c) or "plain")
 @pytest.mark.parametrize("layout", ["bf16", "row-tail"])
 @pytest.mark.parametrize("repair_every_row", [False, True], ids=["default", "repair-every-row"])
 def test_tiles_one_sweep_match_float64(names, layout, repair_every_row):
     """``forward_target_apart`` given the GEMM's operands (``one_sweep``): the statistics are ``forward``'s, the
-    16-bit ``E`` times the row scales is the gradient off the target column, which is 0 in ``E`` and comes back in
-    float32 (0 at ignored rows), also at rows past ``E``'s range (``exact_row``), and at every row when each is
-    repaired (``REPAIR_ABOVE`` below 0)."""
+    16-bit ``E`` times the row scales, plus label smoothing's uniform term, is the gradient off the target column,
+    which is 0 in ``E`` and comes back in float32 (0 at ignored rows), also at rows past ``E``'s range
+    (``exact_row``), and at every row when each is repaired (``REPAIR_ABOVE`` below 0)."""
     x, weight, logits, target = one_sweep_inputs()
     rows, v = logits.shape
     assert logits[1].argmax() == 7 and logits[1, 200] == logits[1, 7] and logits[2, 150] == logits[2].max()
@@ -456,14 +485,13 @@ def test_tiles_one_sweep_match_float64(names, layout, repair_every_row):
     ref, ref_grad, _ = float64_tiles(logits, target, params, grad_scale)
     if "softcap" not in names:  # a softcap bounds every loss
         assert (-ref.logprob[4:6] > triton_scaled.REPAIR_ABOVE).all()
-    work = logits.clone()
-    out = work.view(torch.bfloat16)[:, v:] if layout == "row-tail" else torch.empty(rows, v, dtype=torch.bfloat16)
-    out = out.to(DEVICE) if layout == "bf16" else out
+    work, out = one_sweep_buffers(logits, layout)
     ops = TritonTileOps(block=SMALL_BLOCK)
-    assert ops.one_sweep(out, params, x, weight)
+    assert ops.one_sweep(out.dtype, params)
+    w_sum = weight.sum(0, dtype=torch.float32)
     repair = mock.patch.object(triton_scaled, "REPAIR_ABOVE", -1.0) if repair_every_row else contextlib.nullcontext()
     with repair:
-        stats, grad = ops.forward_target_apart(work, target, params, grad_scale, out, x, weight)
+        stats, grad = ops.forward_target_apart(work, target, params, grad_scale, out, x, weight, w_sum)
     assert_stats_close(stats, ref)
     assert grad.e is out and grad.row_scale is not None and grad.target is target
     kept = target != -100
@@ -471,31 +499,44 @@ def test_tiles_one_sweep_match_float64(names, layout, repair_every_row):
     at_target[kept, target[kept]] = True
     assert not out[at_target].any() and not out[~kept].any() and out.isfinite().all()
     assert not grad.row_scale[~kept].any() and not grad.target_coef[~kept].any()
-    g = grad.row_scale[:, None] * out.float()
+    uniform = torch.zeros(rows, device=DEVICE)
+    if "smoothing" in names:
+        assert grad.w_sum is w_sum and not grad.uniform_coef[~kept].any()
+        uniform = grad.uniform_coef
+        expected = -params.label_smoothing / v * params.inv_temperature * grad_scale
+        assert_close(uniform[kept], expected[kept], 2e-6, "uniform term")
+    else:
+        assert grad.uniform_coef is None and grad.w_sum is None
+    g = grad.row_scale[:, None] * out.float() + uniform[:, None]
     assert_close(g[~at_target], ref_grad[~at_target], 1e-2, "gradient off the target column")
-    assert_close(grad.target_coef[kept], ref_grad[at_target], 2e-6, "target column")
+    assert_close(grad.target_coef[kept] + uniform[kept], ref_grad[at_target], 2e-6, "target column")
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy, in the interpreter, about row 5's overflowing E
 def test_tiles_one_sweep_only_where_it_applies():
-    """fp16 (``E``'s range) and label smoothing keep the two sweeps and unit row scales; so does
-    ``HF_FLCE_SCALED_GRAD=0``. Class weights alone take the one sweep."""
+    """fp16 (``E``'s range), label smoothing with class weights (a smoothing term that differs by column) or with a
+    softcap (``dt`` that does) keep the two sweeps and unit row scales; so does ``HF_FLCE_SCALED_GRAD=0``, and label
+    smoothing without W's column sum or without a spare row under ``E``. Class weights alone take the one sweep."""
     x, weight, logits, target = one_sweep_inputs()
     v = logits.shape[1]
-    bf16 = torch.empty(logits.shape, dtype=torch.bfloat16, device=DEVICE)
-    fp16 = torch.empty(logits.shape, dtype=torch.float16, device=DEVICE)
+    bf16, fp16 = torch.bfloat16, torch.float16
     cw = torch.ones(v, device=DEVICE)
-    assert TritonTileOps.one_sweep(bf16, tile_params(v, ("z_loss", "softcap")), x, weight)
-    assert not TritonTileOps.one_sweep(fp16, tile_params(v), x, weight)
-    assert TritonTileOps.one_sweep(bf16, tile_params(v, ("class_weight",), cw), x, weight)
-    assert not TritonTileOps.one_sweep(bf16, tile_params(v, ("smoothing", "class_weight"), cw), x, weight)
-    assert not TritonTileOps.one_sweep(bf16, tile_params(v, ("smoothing",)), x, weight)
+    assert TritonTileOps.one_sweep(bf16, tile_params(v, ("z_loss", "softcap")))
+    assert not TritonTileOps.one_sweep(fp16, tile_params(v))
+    assert TritonTileOps.one_sweep(bf16, tile_params(v, ("class_weight",), cw))
+    assert TritonTileOps.one_sweep(bf16, tile_params(v, ("smoothing", "temperature")))
+    assert not TritonTileOps.one_sweep(bf16, tile_params(v, ("smoothing", "class_weight"), cw))
+    assert not TritonTileOps.one_sweep(bf16, tile_params(v, ("smoothing", "softcap")))
     with mock.patch.dict(os.environ, {"HF_FLCE_SCALED_GRAD": "0"}):
-        assert not TritonTileOps.one_sweep(bf16, tile_params(v), x, weight)
-    _, grad = TritonTileOps(block=SMALL_BLOCK).forward_target_apart(
-        logits.clone(), target, tile_params(v, ("smoothing",)), torch.ones(len(target), device=DEVICE), bf16, x, weight
-    )
-    assert grad.row_scale is None
+        assert not TritonTileOps.one_sweep(bf16, tile_params(v))
+    ops = TritonTileOps(block=SMALL_BLOCK)
+    smoothing = tile_params(v, ("smoothing",))
+    ones = torch.ones(len(target), device=DEVICE)
+    w_sum = weight.sum(0, dtype=torch.float32)
+    no_spare_row = torch.empty(logits.shape, dtype=bf16, device=DEVICE)
+    for out, column_sum in [(no_spare_row, w_sum), (one_sweep_buffers(logits, "bf16")[1], None)]:
+        _, grad = ops.forward_target_apart(logits.clone(), target, smoothing, ones, out, x, weight, column_sum)
+        assert grad.row_scale is None and grad.uniform_coef is None
 
 
 @contextlib.contextmanager
@@ -602,15 +643,22 @@ def tile_path():
 
 
 @pytest.mark.parametrize(
-    "names", [(), ("smoothing", "class_weight"), ("class_weight", "z_loss"), ("softcap", "z_loss", "temperature")]
+    "names",
+    [
+        (),
+        ("smoothing", "class_weight"),
+        ("class_weight", "z_loss"),
+        ("softcap", "z_loss", "temperature"),
+        ("smoothing", "temperature"),
+    ],
 )
 @pytest.mark.parametrize("budget", [None, 8192], ids=["one-chunk", "chunks"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_tile_path_target_column_apart(names, budget, dtype, tile_path):
-    """On the tile path (``forward_target_apart``), class weights included; bf16 without label smoothing in one
-    sweep (``TritonTileOps.one_sweep``)."""
+    """On the tile path (``forward_target_apart``), class weights included; bf16 in one sweep
+    (``TritonTileOps.one_sweep``) but for label smoothing with class weights."""
     one_sweep = check_target_apart(names, dtype, budget)
-    assert bool(one_sweep) == (dtype == torch.bfloat16 and "smoothing" not in names)
+    assert bool(one_sweep) == (dtype == torch.bfloat16 and not {"smoothing", "class_weight"} <= set(names))
 
 
 @pytest.mark.parametrize("case", ["all-ignored", "one-token", "peaked"])

@@ -1123,12 +1123,6 @@ def scaled_gradient_supports(dtype: torch.dtype, bias: torch.Tensor | None, plan
     return triton_scaled.supports(dtype, bias, plan.params, scalar=plan.reduction == "scalar")
 
 
-def column_sum(weight: torch.Tensor) -> torch.Tensor:
-    """W's column sum ``1^T W`` in float32 (``[H]``), which a label-smoothed scaled gradient takes once per call
-    (``forward(w_sum=)``)."""
-    return weight.sum(0, dtype=torch.float32)
-
-
 def bytes_per_logit(vocab: int, params: TileParams, keep: bool = True, scaled: bool = False) -> float:
     """Chunk memory per logit: e (then the gradient) in 16 bits when it is kept, plus the partial statistics (of a
     ``scaled`` launch with ``scaled``)."""
@@ -1388,7 +1382,7 @@ def forward(
     kept for the first columns only, the rest of a per-token loss's logits being recomputed in backward; with
     ``scaled`` too, as E with row scales per unit of upstream gradient (``ScaledGradient.times`` gives them the
     per-token upstream), whose target column, where E holds it, is 0 (``target_gradient`` gives it). A label-smoothed
-    scaled gradient takes W's column sum ``w_sum`` (``column_sum``, computed here where not given: a caller with
+    scaled gradient takes W's column sum ``w_sum`` (float32 ``[H]``, computed here where not given: a caller with
     several chunks passes it once) for each row's sum of t and the gradient's uniform term."""
     n, vocab = x.shape[0], params.vocab
     if keep_columns is not None and (not (keep or scaled) or keep_columns % COLUMN_ALIGN or keep_columns <= 0):
@@ -1422,7 +1416,7 @@ def forward(
         t_y = torch.empty(n, **f32)
         row_sums = None
         if smoothed:
-            w_sum = column_sum(weight) if w_sum is None else w_sum
+            w_sum = weight.sum(0, dtype=torch.float32) if w_sum is None else w_sum
             sum_t = torch.empty(n, **f32)
             row_sums = (w_sum, sum_t)
         _launch_target_kernel(x, weight, bias, target, params, t_y, row_sums=row_sums)

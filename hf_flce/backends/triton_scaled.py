@@ -358,9 +358,9 @@ class ScaledGradient:
     ``target_coef`` are per unit of upstream gradient until ``times`` gives them their per-row upstream scale, unless
     ``row_scales`` formed them for a 0-d upstream gradient already. The tile path's gradient with its target column
     apart (``TritonTileOps.forward_target_apart``) has row scales where it took one sweep, else none: ``E`` is then
-    ``G`` off the target column. With
-    ``uniform_coef`` (label smoothing) ``G`` also has ``u_i`` at every column (module docstring), ``w_sum`` is W's
-    column sum, and ``E``'s buffer has a spare row after its last (``triton_gemm.forward``) for ``dw_operands``."""
+    ``G`` off the target column. With ``uniform_coef`` (label smoothing) ``G`` also has ``u_i`` at every column
+    (module docstring), ``w_sum`` is W's column sum, and ``E``'s buffer has a spare row after its last
+    (``triton_gemm.forward``; on the tile path ``engine.compute_logits``) for ``dw_operands``."""
 
     e: torch.Tensor  # [rows, V] 16-bit, 0 at each row's target column
     row_scale: torch.Tensor | None  # [rows] float32; None: 1
@@ -372,6 +372,13 @@ class ScaledGradient:
 
     def _with(self, e, row_scale, target_coef, target, uniform_coef) -> ScaledGradient:
         return ScaledGradient(e, row_scale, target_coef, target, self.ignore_index, uniform_coef, self.w_sum)
+
+    @staticmethod
+    def has_spare_row(e: torch.Tensor) -> bool:
+        """Whether ``e``'s buffer holds one more row after its last, at its row stride (``dw_operands``)."""
+        rows, columns = e.shape
+        end = e.storage_offset() + rows * e.stride(0) + (columns - 1) * e.stride(1) + 1
+        return e.untyped_storage().nbytes() >= end * e.element_size()
 
     def head(self, rows: int) -> ScaledGradient:
         """The first ``rows`` rows (views)."""

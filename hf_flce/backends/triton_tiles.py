@@ -344,6 +344,7 @@ def _tile_kernel(
     stride_gc,
     target_coef_ptr,
     row_scale_ptr,
+    uniform_ptr,
     x_ptr,
     stride_xn,
     w_ptr,
@@ -380,9 +381,10 @@ def _tile_kernel(
     zero statistics and a zero gradient. In backward the row's V logits may be a vocabulary chunk's, the columns from
     ``col_offset`` on (STATS needs the whole row, ``col_offset`` 0). TARGET_APART: the target column is written as 0
     and its gradient stored in float32 at ``target_coef_ptr + row`` (0 at ignored rows). SCALED (with STATS,
-    TARGET_APART and HAS_GL alone; no label smoothing): one sweep instead of two, writing the scalar loss's
-    ``E = exp(t - m) dt`` against ``m = t_y + ref_offset`` while it takes the statistics, and the row scale ``r`` at
-    ``row_scale_ptr + row`` with ``G = r E`` off the target column (``triton_scaled``). A row whose loss exceeds
+    TARGET_APART and HAS_GL alone; label smoothing without class weights): one sweep instead of two, writing the
+    scalar loss's ``E = exp(t - m) dt`` against ``m = t_y + ref_offset`` while it takes the statistics, and the row
+    scale ``r`` at ``row_scale_ptr + row`` with ``G = r E + u`` off the target column (``triton_scaled``), ``u`` the
+    label smoothing's uniform term, stored at ``uniform_ptr + row`` (HAS_SMOOTHING). A row whose loss exceeds
     ``repair_above`` has E written again with ``m = lse`` from ``x`` and ``W`` (``exact_row``)."""
     row = tl.program_id(0).to(tl.int64)
     y = tl.load(target_ptr + row * stride_y)
@@ -498,11 +500,15 @@ def _tile_kernel(
                 128,
                 64,
             )
-        # G_j = p_j p_coef dt_j = E_j exp(m - lse) p_coef off the target column; at it (p_y p_coef + onehot) dt_y
+        # G_j = p_j p_coef dt_j (+ u) = E_j exp(m - lse) p_coef off the target column; at it (p_y p_coef + onehot) dt_y
         scale = fast_exp(tl.where(repair, lse, m_ref) - lse) * p_coef
         p_y = fast_exp(tl.minimum(t_y - lse, 0.0))
         tl.store(row_scale_ptr + row, tl.where(valid, scale, 0.0))
         tl.store(target_coef_ptr + row, tl.where(valid, (p_y * p_coef + onehot_coef) * dt_y, 0.0))
+        if HAS_SMOOTHING:
+            # -smooth_coef dt_j at every column, the target's too: rank one, as no softcap makes dt the row's constant
+            tl.static_assert(not HAS_WEIGHT and not HAS_SOFTCAP)
+            tl.store(uniform_ptr + row, tl.where(valid, -smooth_coef * dt_y, 0.0))
     elif HAS_GL or HAS_GLP or HAS_GE:
         cols = tl.arange(0, BLOCK)
         n_blocks = tl.cdiv(V, BLOCK)
@@ -625,13 +631,14 @@ class TritonTileOps:
         stats: TileStats | None,
         first_column: int = 0,
         target_coef: torch.Tensor | None = None,
-        scaled: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        scaled: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         """Runs the kernel over every row: ``stats`` given, it fills them (and ``lse``, ``entropy``, which are its
         fields); else it reads ``lse`` and ``entropy``. Any upstream gradient given, it writes ``grad_out``, with
         ``target_coef`` (float32 ``[rows]``) its target column there and 0 in ``grad_out``. ``logits`` holds the
-        vocabulary's columns from ``first_column`` on (backward only). ``scaled = (row_scale, x, weight)``: the
-        kernel's SCALED sweep, ``grad_out`` then ``E`` and ``row_scale`` (float32 ``[rows]``) its row scales."""
+        vocabulary's columns from ``first_column`` on (backward only). ``scaled = (row_scale, uniform, x, weight)``:
+        the kernel's SCALED sweep, ``grad_out`` then ``E``, ``row_scale`` (float32 ``[rows]``) its row scales and
+        ``uniform`` (float32 ``[rows]``, with label smoothing) the uniform term."""
         rows, n_cols = logits.shape
         if rows == 0:
             return
@@ -651,7 +658,7 @@ class TritonTileOps:
         cw, cw_sum = params.class_weight, params.class_weight_sum
         softcap = params.softcap
         block, num_warps = self._config(n_cols, rows, logits.device)
-        row_scale, x, weight = (spare, spare, spare) if scaled is None else scaled
+        row_scale, uniform, x, weight = (spare, spare, spare, spare) if scaled is None else scaled
         ref_offset = repair_above = 0.0
         if scaled is not None:
             from . import triton_scaled  # it builds on this module's kernels
@@ -679,6 +686,7 @@ class TritonTileOps:
                 grad.stride(1),
                 spare if target_coef is None else target_coef,
                 row_scale,
+                spare if uniform is None else uniform,
                 x,
                 x.stride(0),
                 weight,
@@ -756,6 +764,7 @@ class TritonTileOps:
         grad_out: torch.Tensor,
         x: torch.Tensor | None = None,
         weight: torch.Tensor | None = None,
+        w_sum: torch.Tensor | None = None,
     ) -> tuple[TileStats, ScaledGradient]:
         """``forward`` with the gradient's target column taken out of ``grad_out`` (0 there) and carried per row in
         float32: the gradient comes back as a ``ScaledGradient``, whose dX and dW add that column in float32
@@ -763,34 +772,45 @@ class TritonTileOps:
         softmax part, so dW can be summed across chunks in the 16-bit gradient itself (``engine.
         _dw_sum_in_weight_dtype``). Given the logits GEMM's operands ``x`` and ``weight`` where ``one_sweep`` allows,
         ``grad_out`` gets ``E`` and the gradient has row scales, from one sweep over the logits instead of two (the
-        slow exact path of a row past ``E``'s range recomputes its logits from them); else it has unit row scales."""
+        slow exact path of a row past ``E``'s range recomputes its logits from them); else it has unit row scales.
+        With label smoothing the one sweep also needs ``w_sum`` (W's column sum, float32 ``[H]``) and a spare row
+        after ``grad_out``'s last in its buffer, which carry the uniform term (``ScaledGradient.dw_operands``)."""
         from .triton_scaled import ScaledGradient  # it builds on this module's kernels
 
         rows = logits.shape[0]
         stats = TileStats.empty(rows, logits.device)
         coef = torch.empty(rows, dtype=torch.float32, device=logits.device)
-        row_scale = scaled = None
-        if x is not None and weight is not None and self.one_sweep(grad_out, params, x, weight):
-            row_scale = torch.empty(rows, dtype=torch.float32, device=logits.device)
-            scaled = (row_scale, x, weight)
-        upstream = (grad_scale, None, None)
-        self._launch(logits, target, params, stats.lse, stats.entropy, upstream, grad_out, stats, 0, coef, scaled)
-        return stats, ScaledGradient(grad_out, row_scale, coef, target, params.ignore_index)
-
-    @staticmethod
-    def one_sweep(grad_out: torch.Tensor, params: TileParams, x: torch.Tensor, weight: torch.Tensor) -> bool:
-        """Whether ``forward_target_apart`` writes ``E`` and row scales in one sweep: a gradient that can be carried
-        so (``triton_scaled.supports``: bf16; ``HF_FLCE_SCALED_GRAD=0`` keeps the two sweeps), without label smoothing
-        (the epilogue path carries its ``-eps/V`` term by a spare row under ``E``, which here would lie inside the
-        logits buffer; a class weight is a row scale, ``w_y``), and unit column strides."""
-        from . import triton_scaled  # it builds on this module's kernels
-
-        return (
-            triton_scaled.supports(grad_out.dtype, None, params)
-            and params.label_smoothing == 0.0
+        sweep = (
+            x is not None
+            and weight is not None
+            and self.one_sweep(grad_out.dtype, params)
             and grad_out.stride(1) == 1
             and x.stride(-1) == 1
             and weight.stride(-1) == 1
+        )
+        smoothing = params.label_smoothing != 0.0
+        if smoothing:
+            sweep = sweep and w_sum is not None and ScaledGradient.has_spare_row(grad_out)
+        row_scale = uniform = scaled = None
+        if sweep:
+            row_scale = torch.empty(rows, dtype=torch.float32, device=logits.device)
+            uniform = torch.empty(rows, dtype=torch.float32, device=logits.device) if smoothing else None
+            scaled = (row_scale, uniform, x, weight)
+        upstream = (grad_scale, None, None)
+        self._launch(logits, target, params, stats.lse, stats.entropy, upstream, grad_out, stats, 0, coef, scaled)
+        w_sum = w_sum if uniform is not None else None
+        return stats, ScaledGradient(grad_out, row_scale, coef, target, params.ignore_index, uniform, w_sum)
+
+    @staticmethod
+    def one_sweep(dtype: torch.dtype, params: TileParams) -> bool:
+        """Whether ``forward_target_apart`` can write ``E`` and row scales in one sweep: a gradient that can be
+        carried so (``triton_scaled.supports``: bf16, label smoothing without a softcap; ``HF_FLCE_SCALED_GRAD=0``
+        keeps the two sweeps). A class weight is a row scale, ``w_y``, but with label smoothing it makes the
+        smoothing term ``-eps w_j / V`` differ by column, no longer the uniform term."""
+        from . import triton_scaled  # it builds on this module's kernels
+
+        return triton_scaled.supports(dtype, None, params) and (
+            params.label_smoothing == 0.0 or params.class_weight is None
         )
 
     def backward(
