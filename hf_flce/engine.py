@@ -557,7 +557,7 @@ class _GradBuffers:
         if self.dx is not None:
             # E W in float32 ([rows, H]) is a temporary: not alive any more when the dW GEMM runs (the call's peak)
             grad.write_dx(
-                exact_mm_fp32(grad.e, self.weight),
+                exact_mm_fp32(grad.dx_operand(), self.weight),
                 self.weight,
                 self.dx,
                 None if self.rows is None else self.rows[start:end],
@@ -709,8 +709,7 @@ def _chunk_forward(
     reading that count from ``rows_on_device``): called once the GEMM is launched, it returns how many of the
     chunk's leading rows count, and the results are cut to them. ``keep_columns`` (with ``keep``): only the leading
     columns' e is kept. ``target_apart``: a gradient that is not a scaled one comes with its target column apart
-    (``_gradient_target_apart``). ``w_sum``: W's column sum, for a label-smoothed scaled gradient (on the tile path
-    its logits then have a spare row, ``compute_logits``)."""
+    (``_gradient_target_apart``). ``w_sum``: W's column sum, for the epilogue path's label-smoothed scaled gradient."""
     n_rows = x_chunk.shape[0]
     # a scaled gradient's row scales come from the GEMM's path already times the upstream 0-d (no pass for it), but
     # for DFT, whose per-row factor is known only after the statistics
@@ -733,16 +732,16 @@ def _chunk_forward(
             n_rows = settle()
             stats, kept, ys = stats.head(n_rows), kept.head(n_rows), ys[:n_rows]
     else:
-        kept = compute_logits(x_chunk, w_c, bias, _logits_16bit(plan, x_chunk, bias), spare_row=w_sum is not None)
+        # the tile path's one sweep carries label smoothing with a row of ones under E, in the logits' spare row
+        spare_row = target_apart and plan.params.label_smoothing != 0.0 and _tile_one_sweep(plan, fused, x_chunk)
+        kept = compute_logits(x_chunk, w_c, bias, _logits_16bit(plan, x_chunk, bias), spare_row=spare_row)
     scale = inv_denominator().expand(n_rows) if eager and scaled_upstream is None else None
     grad_out = prob = None
     if fused is None and eager and not plan.prob_weighted:
         # statistics and gradient in one pass over the logits
         grad_out = _grad_buffer(kept, x_chunk.dtype, plan.tiles)
         if target_apart:
-            stats, grad_out = plan.tiles.forward_target_apart(
-                kept, ys, plan.params, scale, grad_out, x_chunk, w_c, w_sum
-            )
+            stats, grad_out = plan.tiles.forward_target_apart(kept, ys, plan.params, scale, grad_out, x_chunk, w_c)
         else:
             stats = plan.tiles.forward(kept, ys, plan.params, grad_scale=scale, grad_out=grad_out)
     elif fused is None:
@@ -990,10 +989,8 @@ def _forward(x, weight, bias, target, plan: CallPlan, needs_input_grad) -> tuple
     def inv_denominator() -> torch.Tensor:
         return plan.denominator().to(torch.float32).reciprocal()
 
-    # label smoothing's uniform term, and on the epilogue path its sum of t, once per call (triton_scaled)
-    w_sum = None
-    if eager and plan.params.label_smoothing != 0.0 and (scaled or (target_apart and _tile_one_sweep(plan, fused, x))):
-        w_sum = w_c.sum(0, dtype=torch.float32)
+    # label smoothing's sum of t and uniform term on the epilogue path, once per call (triton_scaled)
+    w_sum = w_c.sum(0, dtype=torch.float32) if scaled and eager and plan.params.label_smoothing != 0.0 else None
     grads = kept = None
     chunk_stats, chunk_probs = [], []
     start = 0

@@ -488,10 +488,9 @@ def test_tiles_one_sweep_match_float64(names, layout, repair_every_row):
     work, out = one_sweep_buffers(logits, layout)
     ops = TritonTileOps(block=SMALL_BLOCK)
     assert ops.one_sweep(out.dtype, params)
-    w_sum = weight.sum(0, dtype=torch.float32)
     repair = mock.patch.object(triton_scaled, "REPAIR_ABOVE", -1.0) if repair_every_row else contextlib.nullcontext()
     with repair:
-        stats, grad = ops.forward_target_apart(work, target, params, grad_scale, out, x, weight, w_sum)
+        stats, grad = ops.forward_target_apart(work, target, params, grad_scale, out, x, weight)
     assert_stats_close(stats, ref)
     assert grad.e is out and grad.row_scale is not None and grad.target is target
     kept = target != -100
@@ -501,12 +500,13 @@ def test_tiles_one_sweep_match_float64(names, layout, repair_every_row):
     assert not grad.row_scale[~kept].any() and not grad.target_coef[~kept].any()
     uniform = torch.zeros(rows, device=DEVICE)
     if "smoothing" in names:
-        assert grad.w_sum is w_sum and not grad.uniform_coef[~kept].any()
+        assert not grad.uniform_coef[~kept].any()
         uniform = grad.uniform_coef
         expected = -params.label_smoothing / v * params.inv_temperature * grad_scale
         assert_close(uniform[kept], expected[kept], 2e-6, "uniform term")
     else:
-        assert grad.uniform_coef is None and grad.w_sum is None
+        assert grad.uniform_coef is None
+    assert grad.w_sum is None  # dX's GEMM gives W's column sum (ScaledGradient.dx_operand)
     g = grad.row_scale[:, None] * out.float() + uniform[:, None]
     assert_close(g[~at_target], ref_grad[~at_target], 1e-2, "gradient off the target column")
     assert_close(grad.target_coef[kept] + uniform[kept], ref_grad[at_target], 2e-6, "target column")
@@ -516,7 +516,7 @@ def test_tiles_one_sweep_match_float64(names, layout, repair_every_row):
 def test_tiles_one_sweep_only_where_it_applies():
     """fp16 (``E``'s range), label smoothing with class weights (a smoothing term that differs by column) or with a
     softcap (``dt`` that does) keep the two sweeps and unit row scales; so does ``HF_FLCE_SCALED_GRAD=0``, and label
-    smoothing without W's column sum or without a spare row under ``E``. Class weights alone take the one sweep."""
+    smoothing without a spare row under ``E``. Class weights alone take the one sweep."""
     x, weight, logits, target = one_sweep_inputs()
     v = logits.shape[1]
     bf16, fp16 = torch.bfloat16, torch.float16
@@ -532,11 +532,9 @@ def test_tiles_one_sweep_only_where_it_applies():
     ops = TritonTileOps(block=SMALL_BLOCK)
     smoothing = tile_params(v, ("smoothing",))
     ones = torch.ones(len(target), device=DEVICE)
-    w_sum = weight.sum(0, dtype=torch.float32)
     no_spare_row = torch.empty(logits.shape, dtype=bf16, device=DEVICE)
-    for out, column_sum in [(no_spare_row, w_sum), (one_sweep_buffers(logits, "bf16")[1], None)]:
-        _, grad = ops.forward_target_apart(logits.clone(), target, smoothing, ones, out, x, weight, column_sum)
-        assert grad.row_scale is None and grad.uniform_coef is None
+    _, grad = ops.forward_target_apart(logits.clone(), target, smoothing, ones, no_spare_row, x, weight)
+    assert grad.row_scale is None and grad.uniform_coef is None
 
 
 @contextlib.contextmanager

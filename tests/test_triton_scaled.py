@@ -404,6 +404,28 @@ def test_dw_operands_add_the_uniform_term():
         triton_scaled.ScaledGradient(without_spare, scale, coef, target, -100, uniform, grad.w_sum).dw_operands(x)
 
 
+def test_dx_operand_gives_the_column_sum():
+    """Without ``w_sum`` (the tile path's one sweep) dX's GEMM operand is ``E`` over its row of ones, whose product
+    row is W's column sum: ``write_dx`` gives ``s (E W) + c W[y] + u 1^T W``, as with ``w_sum`` given (the epilogue
+    path's); with it the operand is ``E`` alone."""
+    rows, v, h = 6, 10, 8
+    gen = torch.Generator().manual_seed(4)
+    e = torch.randn(rows + 1, v, generator=gen).bfloat16().to(DEVICE)[:rows]
+    scale, coef, uniform = (torch.rand(rows, generator=gen).to(DEVICE) for _ in range(3))
+    target = torch.randint(0, v, (rows,), generator=gen).to(DEVICE)
+    weight = torch.randn(v, h, generator=gen).bfloat16().to(DEVICE)
+    w64 = weight.double()
+    expected = scale.double()[:, None] * (e.double() @ w64) + coef.double()[:, None] * w64[target]
+    expected += uniform.double()[:, None] * w64.sum(0)
+    for w_sum in (None, weight.float().sum(0)):
+        grad = triton_scaled.ScaledGradient(e, scale, coef, target, -100, uniform, w_sum)
+        operand = grad.dx_operand()
+        assert operand.shape == (rows + (w_sum is None), v) and operand.data_ptr() == e.data_ptr()
+        dx = torch.empty(rows, h, device=DEVICE)
+        grad.write_dx(operand.float() @ weight.float(), weight, dx, None, 0)
+        torch.testing.assert_close(dx.double(), expected, rtol=1e-5, atol=1e-5)
+
+
 def _launches_and_reads(hidden, weight, target, deferred=True, **opts):
     """``grads`` with the scaled gradient, recording in order each launch of the head GEMM and each time the host
     reads the kept count; with ``deferred``, the compaction that reads it before any launch (``kept_rows``) must not

@@ -359,8 +359,9 @@ class ScaledGradient:
     ``row_scales`` formed them for a 0-d upstream gradient already. The tile path's gradient with its target column
     apart (``TritonTileOps.forward_target_apart``) has row scales where it took one sweep, else none: ``E`` is then
     ``G`` off the target column. With ``uniform_coef`` (label smoothing) ``G`` also has ``u_i`` at every column
-    (module docstring), ``w_sum`` is W's column sum, and ``E``'s buffer has a spare row after its last
-    (``triton_gemm.forward``; on the tile path ``engine.compute_logits``) for ``dw_operands``."""
+    (module docstring), and ``E``'s buffer has a spare row after its last (``triton_gemm.forward``; on the tile path
+    ``engine.compute_logits``) for ``dw_operands``; ``w_sum`` is W's column sum, which the epilogue path takes for its
+    loss anyway, and which the tile path's one sweep (None here) gets from dX's GEMM instead (``dx_operand``)."""
 
     e: torch.Tensor  # [rows, V] 16-bit, 0 at each row's target column
     row_scale: torch.Tensor | None  # [rows] float32; None: 1
@@ -396,12 +397,29 @@ class ScaledGradient:
     def _rows(self, src, out, weight=None, dst_rows=None, row0=0, uniform=None):
         return scale_rows(src, out, self.row_scale, self.target_coef, self.target, weight, dst_rows, row0, uniform)
 
+    def _with_ones_row(self) -> torch.Tensor:
+        """``E`` with a row of ones after its last, in its buffer's spare row."""
+        rows, columns = self.e.shape
+        # as_strided checks that the spare row lies within E's buffer
+        e = self.e.as_strided((rows + 1, columns), self.e.stride(), self.e.storage_offset())
+        e[rows].fill_(1.0)
+        return e
+
+    def dx_operand(self) -> torch.Tensor:
+        """dX's GEMM operand: ``E``, or for a uniform term without ``w_sum`` (the tile path's) ``E`` with its row of
+        ones, whose product with W is W's column sum ``1^T W``, in the same float32 GEMM (no ``[V, H]`` pass)."""
+        return self._with_ones_row() if self.uniform_coef is not None and self.w_sum is None else self.e
+
     def write_dx(
         self, ew: torch.Tensor, weight: torch.Tensor, dx: torch.Tensor, dst_rows: torch.Tensor | None, row0: int
     ) -> None:
-        """``dx[dst] = s ew + c W[y] (+ u w_sum)`` from ``ew = E W`` (float32), at ``dst_rows`` (compacted rows) or
-        rows ``row0:``."""
-        uniform = None if self.uniform_coef is None else (self.uniform_coef, self.w_sum)
+        """``dx[dst] = s ew + c W[y] (+ u 1^T W)`` from ``ew = dx_operand() W`` (float32), at ``dst_rows``
+        (compacted rows) or rows ``row0:``. Without ``w_sum``, ``1^T W`` is ``ew``'s row after the chunk's."""
+        uniform = None
+        if self.uniform_coef is not None:
+            rows = self.e.shape[0]
+            uniform = (self.uniform_coef, ew[rows] if self.w_sum is None else self.w_sum)
+            ew = ew[:rows]
         self._rows(ew, dx, weight, dst_rows, row0, uniform)
 
     def x_operand(self, x: torch.Tensor) -> torch.Tensor:
@@ -416,10 +434,8 @@ class ScaledGradient:
         then rounded to ``E``'s dtype) after its last. dW's target rows come apart (``add_target_rows``)."""
         if self.uniform_coef is None:
             return self.e, self.x_operand(x)
-        rows, columns = self.e.shape
-        # as_strided checks that the spare row lies within E's buffer
-        e = self.e.as_strided((rows + 1, columns), self.e.stride(), self.e.storage_offset())
-        e[rows].fill_(1.0)
+        rows = self.e.shape[0]
+        e = self._with_ones_row()
         x_operand = torch.empty((rows + 1, x.shape[1]), dtype=self.e.dtype, device=x.device)
         self._rows(x, x_operand[:rows])
         x_operand[rows] = self.uniform_coef @ x.float()

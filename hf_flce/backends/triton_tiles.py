@@ -764,7 +764,6 @@ class TritonTileOps:
         grad_out: torch.Tensor,
         x: torch.Tensor | None = None,
         weight: torch.Tensor | None = None,
-        w_sum: torch.Tensor | None = None,
     ) -> tuple[TileStats, ScaledGradient]:
         """``forward`` with the gradient's target column taken out of ``grad_out`` (0 there) and carried per row in
         float32: the gradient comes back as a ``ScaledGradient``, whose dX and dW add that column in float32
@@ -773,8 +772,8 @@ class TritonTileOps:
         _dw_sum_in_weight_dtype``). Given the logits GEMM's operands ``x`` and ``weight`` where ``one_sweep`` allows,
         ``grad_out`` gets ``E`` and the gradient has row scales, from one sweep over the logits instead of two (the
         slow exact path of a row past ``E``'s range recomputes its logits from them); else it has unit row scales.
-        With label smoothing the one sweep also needs ``w_sum`` (W's column sum, float32 ``[H]``) and a spare row
-        after ``grad_out``'s last in its buffer, which carry the uniform term (``ScaledGradient.dw_operands``)."""
+        With label smoothing the one sweep also needs a spare row after ``grad_out``'s last in its buffer, for the
+        row of ones that carries the uniform term (``ScaledGradient.dx_operand``, ``dw_operands``)."""
         from .triton_scaled import ScaledGradient  # it builds on this module's kernels
 
         rows = logits.shape[0]
@@ -790,7 +789,7 @@ class TritonTileOps:
         )
         smoothing = params.label_smoothing != 0.0
         if smoothing:
-            sweep = sweep and w_sum is not None and ScaledGradient.has_spare_row(grad_out)
+            sweep = sweep and ScaledGradient.has_spare_row(grad_out)
         row_scale = uniform = scaled = None
         if sweep:
             row_scale = torch.empty(rows, dtype=torch.float32, device=logits.device)
@@ -798,8 +797,7 @@ class TritonTileOps:
             scaled = (row_scale, uniform, x, weight)
         upstream = (grad_scale, None, None)
         self._launch(logits, target, params, stats.lse, stats.entropy, upstream, grad_out, stats, 0, coef, scaled)
-        w_sum = w_sum if uniform is not None else None
-        return stats, ScaledGradient(grad_out, row_scale, coef, target, params.ignore_index, uniform, w_sum)
+        return stats, ScaledGradient(grad_out, row_scale, coef, target, params.ignore_index, uniform)
 
     @staticmethod
     def one_sweep(dtype: torch.dtype, params: TileParams) -> bool:
