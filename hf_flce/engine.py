@@ -191,8 +191,8 @@ def kept_rows(
     """The rows whose target is not ``ignore_index`` (``None`` when that is every row, or when ``compact`` is off)
     and their targets, once each of those targets is checked to lie in ``[0, V)``. Compaction sizes the batch on the
     host, so it costs one sync; that same read brings the kept targets' range, and a bad one raises a ValueError
-    naming it (on every device, never a device-side assert that would poison the CUDA context). ``fused`` (the
-    epilogue GEMM's module) does the compaction in one launch."""
+    naming it (on every device, never a device-side assert that would poison the CUDA context). ``fused`` (a module
+    with ``kept_order`` and ``read_later``, the epilogue GEMM's) does the compaction in one launch."""
     n = target.numel()
     if not compact or n == 0:
         check_target_range(target, vocab, ignore_index)
@@ -675,6 +675,13 @@ def _scatter_rows(values: torch.Tensor, rows: torch.Tensor | None, n: int) -> to
     return out.index_copy_(0, rows, values)
 
 
+def _compaction(plan: CallPlan, device: torch.device):
+    """The tile path's compaction on a CUDA GPU: the backend's one-launch ``kept_order`` (``TileOps.compaction``, the
+    epilogue GEMM's). torch's takes ~10 launches, several of them after the host's read of the kept count, while the
+    GPU waits: 0.5-3% of a queued call on an H100 (``docs/PERF_NOTES.md`` v54)."""
+    return getattr(plan.tiles, "compaction", None) if device.type == "cuda" else None
+
+
 def _fused_head(plan: CallPlan, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
     """The backend's GEMM-with-softmax-epilogue path (``backends/triton_gemm.py``) when it offers one and this call
     fits it, else None (cuBLAS float32 logits plus the tile passes)."""
@@ -927,7 +934,7 @@ def _forward(x, weight, bias, target, plan: CallPlan, needs_input_grad) -> tuple
         compaction = _DeviceCompaction.start(fused, target, vocab, ignore_index)
         rows, ys = compaction.order, compaction.targets
     else:
-        rows, ys = kept_rows(target, vocab, ignore_index, _can_compact(x.device), fused)
+        rows, ys = kept_rows(target, vocab, ignore_index, _can_compact(x.device), fused or _compaction(plan, x.device))
     n_valid = ys.shape[0]
     if not deferred:
         chunk = _plan_rows(plan, n_valid, vocab, per_logit, accumulator, logits_16bit)

@@ -666,6 +666,32 @@ def test_tile_path_target_column_apart_edge_cases(case, tile_path):
     assert one_sweep or case == "all-ignored"
 
 
+def test_tile_path_compacts_in_one_launch(tile_path):
+    """On a CUDA GPU the tile path compacts a call's kept rows with the epilogue path's one launch
+    (``engine._compaction``, here also on the CPU interpreter): the loss and gradients are those of torch's
+    compaction, and a target outside ``[0, V)`` raises the ValueError naming it."""
+    hidden, weight, target, _, opts = build((), n=40, v=300, ignore_every=3)
+    hidden, weight = hidden.to(torch.bfloat16), weight.to(torch.bfloat16)
+    opts["memory_budget"] = 8192
+
+    def compaction(module):
+        return mock.patch.object(engine, "_compaction", lambda plan, device: module and plan.tiles.compaction)
+
+    spy = mock.patch.object(triton_gemm, "kept_order", wraps=triton_gemm.kept_order)
+    with compaction(True), spy as kept_order:
+        one_launch = grads_target_apart(hidden, weight, target, **opts)
+        assert kept_order.call_count == 1
+        bad = target.clone()
+        bad[5] = 300
+        with pytest.raises(ValueError, match="target contains 300"):
+            hf_flce.fused_linear_cross_entropy(hidden, weight, bad, backend="triton", **opts)
+    with compaction(None), spy as kept_order:
+        by_torch = grads_target_apart(hidden, weight, target, **opts)
+        assert kept_order.call_count == 0
+    for name, a, b in zip(("loss", "dX", "dW"), one_launch, by_torch):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
 def check_frequent_classes(budget_rows: int, dtype: torch.dtype = torch.bfloat16, **opts) -> tuple:
     """With targets drawn from the softmax (a calibrated model) over ``MIN_CHUNKS`` chunks or more, a 16-bit scalar
     loss with the target column apart sums the most frequent classes' dW rows in float32 (``_FrequentClassRows``):

@@ -92,6 +92,8 @@ class TileOps(Protocol):
     # ``add_target_rows`` (its ``dW[y_i] += c_i x_i``) and ``bytes_per_logit`` (``triton_gemm``).
     # Optional: ``gemm_min_capability``, the CUDA compute capability (major) below which the engine does not take
     # ``fused_head`` (0: any device it supports).
+    # Optional: ``compaction``, a module with ``kept_order`` and ``read_later`` (``triton_gemm``'s), which compacts a
+    # CUDA call's kept rows in one launch where ``fused_head`` is not taken (``engine._compaction``).
     # Optional: ``scale_into(src, scale, out) -> out``, ``out = src * scale`` with a float32 0-d ``scale``, for the
     # final scaling of the gradients (default: ``torch.mul``).
 

@@ -603,6 +603,8 @@ class TritonTileOps:
         from . import triton_gemm  # it builds on this module's jit helpers
 
         self.fused_head = None if gemm_epilogue is False else triton_gemm
+        # the compaction in one launch (``triton_gemm.kept_order``), on the tile path too (``engine._compaction``)
+        self.compaction = triton_gemm
         self.gemm_min_capability = 9 if gemm_epilogue is None else 0
 
     def _config(self, vocab: int, rows: int, device: torch.device) -> tuple[int, int]:
