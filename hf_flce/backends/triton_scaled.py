@@ -26,9 +26,11 @@ a pass turning it into ``G``) read and wrote 4 bytes per logit more: 2.5-2.9 ms 
 H200. The target term in float32 also removes ``G_iy``'s bf16 rounding, which dominates the error of the target rows
 (a float64 simulation: dW error 1.66e-3 against 1.72e-3 flat and 2.3e-3 peaked before; stock 1.73e-3 / 1.6e-2).
 
-Label smoothing's uniform term is rank one. It adds ``u_i 1^T W`` to dX's rows: ``1^T W``, W's column sum, is taken
-once per call, and it also gives the loss's ``sum_j t_ij`` as ``x_i . 1^T W``. It adds ``u^T X`` to every row of dW,
-which each chunk's dW GEMM adds itself: ``E`` gets one more row, of ones, over that chunk's ``u^T X`` (in bf16) under
+Label smoothing's uniform term is rank one. It adds ``u_i 1^T W`` to dX's rows: on the epilogue path ``1^T W``, W's
+column sum, is taken once per call, and it also gives the loss's ``sum_j t_ij`` as ``x_i . 1^T W``; the tile path's
+sweep sums ``t`` itself and takes ``1^T W`` from dX's GEMM, as the product's row for a row of ones under ``E``
+(``dx_operand``). It adds ``u^T X`` to every row of dW, which each chunk's dW GEMM adds itself: ``E`` gets that row of
+ones, over that chunk's ``u^T X`` (summed in float32 by the pass that writes ``s X``, then rounded to bf16) under
 ``s X`` (``dw_operands``). No pass over ``[rows, V]`` or ``[V, H]`` is made for it. Unlike the target terms, it stays
 in dW's 16-bit sum across chunks (``engine._dw_sum_in_weight_dtype``). For a flat row it offsets much of the softmax
 part (``p_j - eps / V``): summed apart from it and added once, by the last chunk's GEMM, it made that sum's running
@@ -58,6 +60,8 @@ from .triton_tiles import TritonTileOps, fast_exp
 
 REF_OFFSET = 32.0
 REPAIR_ABOVE = 64.0
+# rows per program of ``scale_rows``
+SCALE_ROWS_BLOCK = 16
 
 
 def supports(x_dtype: torch.dtype, bias: torch.Tensor | None, params: TileParams, scalar: bool = True) -> bool:
@@ -155,6 +159,7 @@ def _scaled_rows_kernel(
     stride_wv,
     u_ptr,
     w_sum_ptr,
+    u_sum_ptr,
     dst_rows_ptr,
     out_ptr,
     stride_out,
@@ -164,19 +169,24 @@ def _scaled_rows_kernel(
     HAS_SCALE: tl.constexpr,
     HAS_TARGET: tl.constexpr,
     HAS_UNIFORM: tl.constexpr,
+    HAS_UNIFORM_SUM: tl.constexpr,
     HAS_ROWS: tl.constexpr,
     BR: tl.constexpr,
     BH: tl.constexpr,
 ):
     """``out[dst_i] = s_i src_i (+ c_i W[y_i]) (+ u_i w_sum)`` in float32 (``s_i = 1`` without ``HAS_SCALE``),
     stored in ``out``'s dtype; ``dst_i`` is ``dst_rows[i]`` (a compacted batch's rows, scattered into the full dX) or
-    ``row0 + i``."""
+    ``row0 + i``. HAS_UNIFORM_SUM: also this block of rows' ``sum_i u_i src_i`` (float32) at ``u_sum``'s row of the
+    block, for ``u^T src`` without a float32 copy of ``src``."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.program_id(1) * BH + tl.arange(0, BH)
     row_ok = rows < n
     mask = row_ok[:, None] & (cols < H)[None, :]
     src = tl.load(src_ptr + rows.to(tl.int64)[:, None] * stride_src + cols[None, :], mask=mask, other=0.0)
     value = src.to(tl.float32)
+    if HAS_UNIFORM_SUM:
+        u_src = tl.load(u_ptr + rows, mask=row_ok, other=0.0)[:, None] * value
+        tl.store(u_sum_ptr + tl.program_id(0) * H + cols, tl.sum(u_src, 0), mask=cols < H)
     if HAS_SCALE:
         value *= tl.load(s_ptr + rows, mask=row_ok, other=0.0)[:, None]
     if HAS_TARGET:
@@ -315,14 +325,22 @@ def scale_rows(
     dst_rows: torch.Tensor | None = None,
     row0: int = 0,
     uniform: tuple[torch.Tensor, torch.Tensor] | None = None,
+    uniform_sum: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``out[dst_i] = s_i src_i`` (``s = row_scale``, or 1 where None), plus ``c_i W[y_i]`` with ``weight``
     (``c = target_coef``, 0 at ignored rows) and ``u_i w_sum`` with ``uniform = (u, w_sum)``, in float32 and stored in
-    ``out``'s dtype: ``_scaled_rows_kernel``."""
+    ``out``'s dtype: ``_scaled_rows_kernel``. ``uniform_sum = (u, partial)`` (without ``uniform``): ``partial``
+    (float32 ``[cdiv(n, SCALE_ROWS_BLOCK), H]``) gets ``u^T src`` by blocks of rows, to be summed."""
     n, h = src.shape
     if n == 0:
         return out
-    br, bh = 16, min(256, next_power_of_2(h))
+    assert uniform is None or uniform_sum is None
+    br, bh = SCALE_ROWS_BLOCK, min(256, next_power_of_2(h))
+    # unused pointers: src
+    u, w_sum = uniform or (src, src)
+    u_sum = src
+    if uniform_sum is not None:
+        u, u_sum = uniform_sum
     with TritonTileOps._device_guard(src.device):
         launch(
             _scaled_rows_kernel,
@@ -334,7 +352,9 @@ def scale_rows(
             src if target is None else target,
             src if weight is None else weight,
             0 if weight is None else weight.stride(0),
-            *((src, src) if uniform is None else uniform),
+            u,
+            w_sum,
+            u_sum,
             src if dst_rows is None else dst_rows,
             out,
             out.stride(0),
@@ -344,6 +364,7 @@ def scale_rows(
             HAS_SCALE=row_scale is not None,
             HAS_TARGET=weight is not None,
             HAS_UNIFORM=uniform is not None,
+            HAS_UNIFORM_SUM=uniform_sum is not None,
             HAS_ROWS=dst_rows is not None,
             BR=br,
             BH=bh,
@@ -394,8 +415,9 @@ class ScaledGradient:
         uniform = None if self.uniform_coef is None else self.uniform_coef * upstream
         return self._with(self.e, row_scale, self.target_coef * upstream, self.target, uniform)
 
-    def _rows(self, src, out, weight=None, dst_rows=None, row0=0, uniform=None):
-        return scale_rows(src, out, self.row_scale, self.target_coef, self.target, weight, dst_rows, row0, uniform)
+    def _rows(self, src, out, weight=None, dst_rows=None, row0=0, uniform=None, uniform_sum=None):
+        args = (self.row_scale, self.target_coef, self.target, weight, dst_rows, row0, uniform, uniform_sum)
+        return scale_rows(src, out, *args)
 
     def _with_ones_row(self) -> torch.Tensor:
         """``E`` with a row of ones after its last, in its buffer's spare row."""
@@ -430,15 +452,17 @@ class ScaledGradient:
 
     def dw_operands(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(A, B)`` with ``A^T B = E^T diag(s) x`` plus, with a uniform term, ``u^T x`` at every row: ``E`` with a
-        row of ones after its last (its buffer's spare row) over ``diag(s) x`` with ``u^T x`` (summed in float32,
-        then rounded to ``E``'s dtype) after its last. dW's target rows come apart (``add_target_rows``)."""
+        row of ones after its last (its buffer's spare row) over ``diag(s) x`` with ``u^T x`` (summed in float32 by
+        the same pass over x, then rounded to ``E``'s dtype) after its last. dW's target rows come apart
+        (``add_target_rows``)."""
         if self.uniform_coef is None:
             return self.e, self.x_operand(x)
-        rows = self.e.shape[0]
+        rows, hidden = self.e.shape[0], x.shape[1]
         e = self._with_ones_row()
-        x_operand = torch.empty((rows + 1, x.shape[1]), dtype=self.e.dtype, device=x.device)
-        self._rows(x, x_operand[:rows])
-        x_operand[rows] = self.uniform_coef @ x.float()
+        x_operand = torch.empty((rows + 1, hidden), dtype=self.e.dtype, device=x.device)
+        partial = torch.empty((cdiv(rows, SCALE_ROWS_BLOCK), hidden), dtype=torch.float32, device=x.device)
+        self._rows(x, x_operand[:rows], uniform_sum=(self.uniform_coef, partial))
+        x_operand[rows] = partial.sum(0)
         return e, x_operand
 
     def scale(self, ew: torch.Tensor) -> torch.Tensor:
