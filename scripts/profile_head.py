@@ -24,7 +24,8 @@
 8. ``scaled``: fwd+bwd with the scalar loss's gradient as E and row scales (``backends/triton_scaled.py``, the
    default) against the gradient pass over stored e (``HF_FLCE_SCALED_GRAD=0``), timed in turns, with each one's CUDA
    time per kernel; then the per-token path, whose kept leading columns are E in the same way (or fp16 e and the
-   pass with the switch off).
+   pass with the switch off). With ``HF_FLCE_GEMM_EPILOGUE=0`` in the environment (the tile path, as before Hopper):
+   the one sweep over the float32 logits against two. ``--label-smoothing 0.1``: the scalar calls smoothed.
 9. ``reference``: fwd+bwd, the no-grad forward and the per-token path with every tile's softmax sums relative to the
    row's ``t_y + 32`` (``HF_FLCE_ROW_REFERENCE=1``, the default) against the tile's own max (``=0``), in turns.
 10. ``power``: at one chunk of the engine's default plan (for N rows, all kept), cuBLAS's logits GEMM, the epilogue
@@ -596,9 +597,13 @@ def _call_inputs(name: str):
     return shape_softcap(name), x, w, y, xd, wd, timed(lambda: torch.mm(xd, wd.T))
 
 
+# ``--label-smoothing``: the scalar calls of ``isolated_calls`` take it (scaled, reference, timeline, enqueue)
+SCALAR_OPTIONS: dict = {}
+
+
 def isolated_calls(name: str, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> dict:
-    """The shape's no-grad call, fwd+bwd call and per-token call with a random upstream gradient (gradients of ``x``
-    and ``w``) on these inputs."""
+    """The shape's no-grad call, fwd+bwd call (both with ``SCALAR_OPTIONS``) and per-token call with a random
+    upstream gradient (gradients of ``x`` and ``w``) on these inputs."""
     softcap = shape_softcap(name)
     xd, wd = x.detach(), w.detach()
     g = torch.randn(x.shape[0], device=x.device)
@@ -607,9 +612,12 @@ def isolated_calls(name: str, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor)
         loss = hf_flce.fused_linear_cross_entropy(x, w, y, reduction="none", softcap=softcap)
         return torch.autograd.grad((loss * g).sum(), (x, w))
 
+    def scalar(xs, ws):
+        return hf_flce.fused_linear_cross_entropy(xs, ws, y, softcap=softcap, **SCALAR_OPTIONS)
+
     return {
-        "no_grad": lambda: hf_flce.fused_linear_cross_entropy(xd, wd, y, softcap=softcap),
-        "fwd_bwd": lambda: torch.autograd.grad(hf_flce.fused_linear_cross_entropy(x, w, y, softcap=softcap), (x, w)),
+        "no_grad": lambda: scalar(xd, wd),
+        "fwd_bwd": lambda: torch.autograd.grad(scalar(x, w), (x, w)),
         "pertoken": pertoken,
     }
 
@@ -947,7 +955,15 @@ def main() -> None:
     p.add_argument("--out", default="outputs/profile")
     p.add_argument("--shapes", default="llama3-8b,qwen3-0.6b,mistral-7b")
     p.add_argument("--sections", default="budget,tiles,kernels,sweep")
+    p.add_argument(
+        "--label-smoothing",
+        type=float,
+        default=0.0,
+        help="for the scalar calls of scaled, reference, timeline, enqueue",
+    )
     args = p.parse_args()
+    if args.label_smoothing:
+        SCALAR_OPTIONS["label_smoothing"] = args.label_smoothing
     if not torch.cuda.is_available():
         sys.exit("profile_head.py needs a CUDA GPU")
     torch.backends.cuda.matmul.allow_tf32 = False
