@@ -310,11 +310,11 @@ def _gradient_target_apart(plan: CallPlan, fused, x: torch.Tensor, bias: torch.T
     )
 
 
-def _tile_one_sweep(plan: CallPlan, fused, x: torch.Tensor) -> bool:
+def _tile_one_sweep(plan: CallPlan, x: torch.Tensor) -> bool:
     """Whether a tile-path call whose gradient has its target column apart can take it in one sweep over the logits
     (``TritonTileOps.one_sweep``)."""
     one_sweep = getattr(plan.tiles, "one_sweep", None)
-    return fused is None and one_sweep is not None and one_sweep(plan.compute_dtype or x.dtype, plan.params)
+    return one_sweep is not None and one_sweep(plan.compute_dtype or x.dtype, plan.params)
 
 
 def _scaled_gradient(plan: CallPlan, fused, w_c: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -740,7 +740,7 @@ def _chunk_forward(
             stats, kept, ys = stats.head(n_rows), kept.head(n_rows), ys[:n_rows]
     else:
         # the tile path's one sweep carries label smoothing with a row of ones under E, in the logits' spare row
-        spare_row = target_apart and plan.params.label_smoothing != 0.0 and _tile_one_sweep(plan, fused, x_chunk)
+        spare_row = target_apart and plan.params.label_smoothing != 0.0 and _tile_one_sweep(plan, x_chunk)
         kept = compute_logits(x_chunk, w_c, bias, _logits_16bit(plan, x_chunk, bias), spare_row=spare_row)
     scale = inv_denominator().expand(n_rows) if eager and scaled_upstream is None else None
     grad_out = prob = None

@@ -424,6 +424,9 @@ def test_dx_operand_gives_the_column_sum():
         dx = torch.empty(rows, h, device=DEVICE)
         grad.write_dx(operand.float() @ weight.float(), weight, dx, None, 0)
         torch.testing.assert_close(dx.double(), expected, rtol=1e-5, atol=1e-5)
+        if w_sum is None:
+            # the row of ones is written once, for both GEMMs
+            assert grad.dw_operands(torch.randn(rows, h, device=DEVICE))[0] is operand
 
 
 def _launches_and_reads(hidden, weight, target, deferred=True, **opts):

@@ -1575,10 +1575,10 @@ def gradient_target_apart(
     grad_loss: torch.Tensor,
 ) -> triton_scaled.ScaledGradient:
     """A scalar loss's 16-bit logits gradient from stored e (``gradient``) where it is no row scale of ``E`` (fp16
-    operands), with each row's target column written as 0 and carried in float32
-    (``target_gradient``, from ``x`` and ``weight``: no bias). It comes back as a ``ScaledGradient`` with unit row
-    scales, as the tile path's two sweeps give it (``forward_target_apart``): the 16-bit gradient then rounds only the softmax
-    part, so dW can be summed across chunks in the 16-bit gradient itself (``engine._dw_sum_in_weight_dtype``)."""
+    operands), with each row's target column written as 0 and carried in float32 (``target_gradient``, from ``x``
+    and ``weight``: no bias). It comes back as a ``ScaledGradient`` with unit row scales, as the tile path's two
+    sweeps give it (``forward_target_apart``): the 16-bit gradient then rounds only the softmax part, so dW can be
+    summed across chunks in the 16-bit gradient itself (``engine._dw_sum_in_weight_dtype``)."""
     grad = gradient(kept, target, stats.lse, stats.entropy, params, x.dtype, grad_loss, target_apart=True)
     coef = target_gradient(x, weight, target, stats.lse, stats.entropy, params, grad_loss)
     return triton_scaled.ScaledGradient(grad, None, coef, target, params.ignore_index)

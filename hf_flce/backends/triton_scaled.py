@@ -47,7 +47,7 @@ float32 dot per column: slow, and never met in practice, but exact.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -391,6 +391,8 @@ class ScaledGradient:
     ignore_index: int
     uniform_coef: torch.Tensor | None = None  # [rows] float32
     w_sum: torch.Tensor | None = None  # [H] float32
+    # E over its row of ones, once written (dX's and dW's GEMMs both take it on the tile path)
+    _e_and_ones: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
 
     def _with(self, e, row_scale, target_coef, target, uniform_coef) -> ScaledGradient:
         return ScaledGradient(e, row_scale, target_coef, target, self.ignore_index, uniform_coef, self.w_sum)
@@ -420,12 +422,14 @@ class ScaledGradient:
         return scale_rows(src, out, *args)
 
     def _with_ones_row(self) -> torch.Tensor:
-        """``E`` with a row of ones after its last, in its buffer's spare row."""
-        rows, columns = self.e.shape
-        # as_strided checks that the spare row lies within E's buffer
-        e = self.e.as_strided((rows + 1, columns), self.e.stride(), self.e.storage_offset())
-        e[rows].fill_(1.0)
-        return e
+        """``E`` with a row of ones after its last, in its buffer's spare row (written once)."""
+        if self._e_and_ones is None:
+            rows, columns = self.e.shape
+            # as_strided checks that the spare row lies within E's buffer
+            e = self.e.as_strided((rows + 1, columns), self.e.stride(), self.e.storage_offset())
+            e[rows].fill_(1.0)
+            self._e_and_ones = e
+        return self._e_and_ones
 
     def dx_operand(self) -> torch.Tensor:
         """dX's GEMM operand: ``E``, or for a uniform term without ``w_sum`` (the tile path's) ``E`` with its row of

@@ -1,10 +1,11 @@
 """Triton tile passes: one program per row of logits, looping over the vocabulary in blocks.
 
 Forward reads each float32 row once for every statistic (online softmax) and, when the gradient is wanted, once more
-to write it; backward reads each row once. A bf16 scalar loss without label smoothing needs one read (``SCALED``):
-the sweep that takes the statistics also writes the gradient up to a row scale, as the Hopper GEMM's epilogue does
-(``triton_scaled``). A 16-bit gradient can be written over the row's own bytes, so a chunk costs 4 bytes per logit in
-all. Options switch code on through ``tl.constexpr`` flags, so vanilla cross-entropy compiles to the lean kernel. Runs on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1``.
+to write it; backward reads each row once. A bf16 scalar loss (but label smoothing with class weights) needs one
+read (``SCALED``): the sweep that takes the statistics also writes the gradient up to a row scale, as the Hopper
+GEMM's epilogue does (``triton_scaled``). A 16-bit gradient can be written over the row's own bytes, so a chunk costs
+4 bytes per logit in all. Options switch code on through ``tl.constexpr`` flags, so vanilla cross-entropy compiles to
+the lean kernel. Runs on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1``.
 """
 
 from __future__ import annotations
