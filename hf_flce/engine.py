@@ -69,24 +69,33 @@ def mm_fp32(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor | None = None) -
     return torch.mm(a, b).float()
 
 
+def logits_buffer(rows: int, vocab: int, device: torch.device, spare_row: bool = False) -> torch.Tensor:
+    """An uninitialised float32 ``[rows, vocab]``. ``spare_row``: its buffer has one more row after the last, for a
+    label-smoothed gradient's row of ones under ``E`` (``ScaledGradient.dw_operands``)."""
+    return torch.empty((rows + int(spare_row), vocab), dtype=torch.float32, device=device)[:rows]
+
+
 def compute_logits(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     keep_16bit: bool = False,
     spare_row: bool = False,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x W^T + b`` in float32, so the logits are never rounded to 16 bits before the softmax (stock HF rounds
     them, which costs accuracy on peaked distributions). ``keep_16bit`` (see ``_logits_16bit``): the 16-bit GEMM
     output as it is, where a float32 result would only be its upcast copy. ``spare_row``: the float32 logits'
-    buffer has one more row after their last, for a label-smoothed gradient's row of ones under ``E``
-    (``ScaledGradient.dw_operands``)."""
+    buffer has one more row after their last (``logits_buffer``). ``out``: a contiguous float32 ``[rows, V]`` to
+    write them to."""
     if keep_16bit:
         return torch.mm(x, weight.t())
-    if spare_row:
-        logits = torch.empty((x.shape[0] + 1, weight.shape[0]), dtype=torch.float32, device=x.device)[:-1]
+    if spare_row or out is not None:
+        logits = logits_buffer(x.shape[0], weight.shape[0], x.device, spare_row) if out is None else out
         if _fp32_out(x):
             torch.mm(x, weight.t(), out_dtype=torch.float32, out=logits)
+        elif x.dtype == torch.float32:
+            torch.mm(x, weight.t(), out=logits)
         else:
             logits.copy_(torch.mm(x, weight.t()))
     elif bias is not None and x.dtype == torch.float32 and bias.dtype == torch.float32:
@@ -682,6 +691,44 @@ def _compaction(plan: CallPlan, device: torch.device):
     return getattr(plan.tiles, "compaction", None) if device.type == "cuda" else None
 
 
+def _tile_deferral(plan: CallPlan, fused, eager: bool, device: torch.device):
+    """The compaction module (``_compaction``) with which a tile-path scalar loss launches its first chunk's GEMM
+    before the host has read the kept count (``_logits_before_the_count``), or None."""
+    return _compaction(plan, device) if fused is None and eager else None
+
+
+# The FLOPs of the logits GEMM launched before the host reads the kept count on the tile path: about 0.2 ms on an
+# H100, longer than the host's steps from that read to the next launch (~0.1 ms), so the GPU does not wait for them.
+_LEAD_GEMM_FLOPS = 1.5e11
+
+
+def _lead_rows(rows: int, hidden: int, vocab: int) -> int:
+    """How many of a deferred chunk's ``rows`` the GEMM launched before the count's read takes (``_LEAD_GEMM_FLOPS``,
+    in whole 128-row tiles)."""
+    return min(rows, cdiv(cdiv(int(_LEAD_GEMM_FLOPS), 2 * hidden * vocab), 128) * 128)
+
+
+def _logits_before_the_count(x_chunk, w_c, bias, spare_row: bool, settle: Callable[[], int]) -> torch.Tensor:
+    """The tile path's deferred first chunk (see ``_forward``): its float32 logits, cut to the kept rows.
+
+    cuBLAS takes its rows from the host, so this chunk's GEMM cannot read the kept count from device memory as the
+    epilogue GEMM does. It is split instead: the GEMM of the leading ``_lead_rows`` rows is launched before the host
+    waits for the count (``settle``), the rest of the kept rows' once it is known, into the same buffer. Rows of the
+    first GEMM past the kept count are computed for nothing; that happens only when fewer rows are kept than it
+    takes, and costs at most its ~0.2 ms, about the idle GPU time it saves."""
+    planned = x_chunk.shape[0]
+    logits = logits_buffer(planned, w_c.shape[0], x_chunk.device, spare_row)
+    lead = _lead_rows(planned, w_c.shape[1], w_c.shape[0])
+    compute_logits(x_chunk[:lead], w_c, None, out=logits[:lead])
+    n_rows = settle()
+    if n_rows > lead:
+        compute_logits(x_chunk[lead:n_rows], w_c, None, out=logits[lead:n_rows])
+    logits = logits[:n_rows]
+    if bias is not None:
+        logits += bias.float()
+    return logits
+
+
 def _fused_head(plan: CallPlan, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
     """The backend's GEMM-with-softmax-epilogue path (``backends/triton_gemm.py``) when it offers one and this call
     fits it, else None (cuBLAS float32 logits plus the tile passes)."""
@@ -712,9 +759,9 @@ def _chunk_forward(
     """One chunk: its row statistics, the detached target probability (DFT only), for a scalar loss the logits
     gradient times ``inv_denominator()`` (0-d, asked for once the logits GEMM is launched; with ``scaled`` as the
     epilogue path's ``ScaledGradient``), and with ``keep`` what the per-token backward reuses.
-    ``settle`` (a scaled gradient's first chunk, launched before the host knows how many rows are kept, with the GEMM
-    reading that count from ``rows_on_device``): called once the GEMM is launched, it returns how many of the
-    chunk's leading rows count, and the results are cut to them. ``keep_columns`` (with ``keep``): only the leading
+    ``settle`` (a deferred first chunk, launched before the host knows how many rows are kept; the epilogue GEMM
+    reads that count from ``rows_on_device``, the tile path's is split, ``_logits_before_the_count``): called once
+    the GEMM is launched, it returns how many of the chunk's leading rows count, and the results are cut to them. ``keep_columns`` (with ``keep``): only the leading
     columns' e is kept. ``target_apart``: a gradient that is not a scaled one comes with its target column apart
     (``_gradient_target_apart``). ``w_sum``: W's column sum, for the epilogue path's label-smoothed scaled gradient."""
     n_rows = x_chunk.shape[0]
@@ -741,7 +788,12 @@ def _chunk_forward(
     else:
         # the tile path's one sweep carries label smoothing with a row of ones under E, in the logits' spare row
         spare_row = target_apart and plan.params.label_smoothing != 0.0 and _tile_one_sweep(plan, x_chunk)
-        kept = compute_logits(x_chunk, w_c, bias, _logits_16bit(plan, x_chunk, bias), spare_row=spare_row)
+        if settle is None:
+            kept = compute_logits(x_chunk, w_c, bias, _logits_16bit(plan, x_chunk, bias), spare_row=spare_row)
+        else:
+            kept = _logits_before_the_count(x_chunk, w_c, bias, spare_row, settle)
+            n_rows = kept.shape[0]
+            x_chunk, ys = x_chunk[:n_rows], ys[:n_rows]
     scale = inv_denominator().expand(n_rows) if eager and scaled_upstream is None else None
     grad_out = prob = None
     if fused is None and eager and not plan.prob_weighted:
@@ -921,17 +973,19 @@ def _forward(x, weight, bias, target, plan: CallPlan, needs_input_grad) -> tuple
         kept_per_logit = 2 if logits_16bit else 4
     if scaled or target_apart:
         per_logit += _scaled_row_bytes(x.shape[1], w_c.element_size()) / vocab
-    # With a scaled gradient the first chunk's GEMM need not wait for the host to learn how many rows are kept: the
-    # kept rows are moved first on the device, that GEMM reads their count from device memory, and the host reads
-    # it (with the targets' range) while the GEMM runs. The first chunk is then planned as if every row were kept,
-    # so this is done only where that chunk fits the budget: where one chunk is taken for costing less than the
-    # accumulator it saves, sizing it by every row would spend up to that accumulator more.
+    # With a scaled gradient, or on the tile path, the first chunk's GEMM need not wait for the host to learn how
+    # many rows are kept: the kept rows are moved first on the device, that GEMM reads their count from device
+    # memory (the tile path's launches its leading rows, _logits_before_the_count), and the host reads it (with the
+    # targets' range) while the GEMM runs. The first chunk is then planned as if every row were kept, so this is done
+    # only where that chunk fits the budget: where one chunk is taken for costing less than the accumulator it
+    # saves, sizing it by every row would spend up to that accumulator more.
+    tile_compaction = _tile_deferral(plan, fused, eager, x.device)
     deferred = False
-    if scaled and n > 0 and _can_compact(x.device):
+    if (scaled or tile_compaction is not None) and n > 0 and _can_compact(x.device):
         chunk = _plan_rows(plan, n, vocab, per_logit, accumulator, logits_16bit)
         deferred = chunk * vocab * per_logit <= plan.budget
     if deferred:
-        compaction = _DeviceCompaction.start(fused, target, vocab, ignore_index)
+        compaction = _DeviceCompaction.start(fused or tile_compaction, target, vocab, ignore_index)
         rows, ys = compaction.order, compaction.targets
     else:
         rows, ys = kept_rows(target, vocab, ignore_index, _can_compact(x.device), fused or _compaction(plan, x.device))
@@ -959,6 +1013,8 @@ def _forward(x, weight, bias, target, plan: CallPlan, needs_input_grad) -> tuple
         larger than it can take one more where rows were dropped (gemma2-2b with every 17th row ignored: 5 instead
         of 4). Where they take no fewer, they are no larger than the first either, so the peak does not move."""
         nonlocal rows, ys, n_valid, chunk, n_chunks
+        if eager:
+            inv_denominator()  # its launches are made while the host waits for the count, not after
         n_kept = compaction.kept_count()
         rows, ys = compaction.kept(n_kept, target)
         first, n_valid = chunk, n_kept

@@ -666,16 +666,23 @@ def test_tile_path_target_column_apart_edge_cases(case, tile_path):
     assert one_sweep or case == "all-ignored"
 
 
+def tile_compaction(on: bool):
+    """The tile path's compaction in one launch (``engine._compaction``) on or off, on any device."""
+    return mock.patch.object(engine, "_compaction", lambda plan, device: plan.tiles.compaction if on else None)
+
+
 def test_tile_path_compacts_in_one_launch(tile_path):
     """On a CUDA GPU the tile path compacts a call's kept rows with the epilogue path's one launch
     (``engine._compaction``, here also on the CPU interpreter): the loss and gradients are those of torch's
-    compaction, and a target outside ``[0, V)`` raises the ValueError naming it."""
+    compaction (with the first GEMM waiting for the kept count as torch's compaction makes it), and a target outside
+    ``[0, V)`` raises the ValueError naming it."""
     hidden, weight, target, _, opts = build((), n=40, v=300, ignore_every=3)
     hidden, weight = hidden.to(torch.bfloat16), weight.to(torch.bfloat16)
     opts["memory_budget"] = 8192
 
-    def compaction(module):
-        return mock.patch.object(engine, "_compaction", lambda plan, device: module and plan.tiles.compaction)
+    def compaction(on):
+        no_deferral = mock.patch.object(engine, "_tile_deferral", lambda *args: None)
+        return contextlib.ExitStack() if not on else _stacked(tile_compaction(True), no_deferral)
 
     spy = mock.patch.object(triton_gemm, "kept_order", wraps=triton_gemm.kept_order)
     with compaction(True), spy as kept_order:
@@ -685,11 +692,106 @@ def test_tile_path_compacts_in_one_launch(tile_path):
         bad[5] = 300
         with pytest.raises(ValueError, match="target contains 300"):
             hf_flce.fused_linear_cross_entropy(hidden, weight, bad, backend="triton", **opts)
-    with compaction(None), spy as kept_order:
+    with tile_compaction(False), spy as kept_order:
         by_torch = grads_target_apart(hidden, weight, target, **opts)
         assert kept_order.call_count == 0
     for name, a, b in zip(("loss", "dX", "dW"), one_launch, by_torch):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
+def _stacked(*contexts) -> contextlib.ExitStack:
+    stack = contextlib.ExitStack()
+    for context in contexts:
+        stack.enter_context(context)
+    return stack
+
+
+@contextlib.contextmanager
+def gemms_and_reads():
+    """The tile path's logits GEMMs (their rows) and the host's reads of the kept count, in order."""
+    events = []
+    real_logits, real_count = engine.compute_logits, engine._DeviceCompaction.kept_count
+
+    def logits(x, *args, **kwargs):
+        events.append(x.shape[0])
+        return real_logits(x, *args, **kwargs)
+
+    def count(self):
+        events.append("read")
+        return real_count(self)
+
+    with (
+        mock.patch.object(engine, "compute_logits", logits),
+        mock.patch.object(engine._DeviceCompaction, "kept_count", count),
+    ):
+        yield events
+
+
+@pytest.mark.parametrize(
+    "case, names, dtype",
+    [
+        ("split", (), torch.bfloat16),
+        ("split", ("smoothing",), torch.bfloat16),
+        ("split", ("bias", "z_loss"), torch.bfloat16),
+        ("split", ("class_weight",), torch.float16),
+        ("past-kept", (), torch.bfloat16),
+        ("past-kept", ("smoothing", "temperature"), torch.bfloat16),
+        ("chunks", (), torch.bfloat16),
+        ("chunks", ("smoothing",), torch.bfloat16),
+        ("one-token", (), torch.bfloat16),
+        ("all-ignored", ("smoothing",), torch.bfloat16),
+    ],
+)
+def test_tile_path_first_gemm_before_the_count(case, names, dtype, tile_path):
+    """With the compaction in one launch, a tile-path scalar loss launches the GEMM of its first chunk's leading
+    rows (``engine._lead_rows``) before the host reads the kept count, and the rest of the first chunk's kept rows
+    after it (``_logits_before_the_count``). Where fewer rows are kept than that GEMM took ("past-kept"), the rest
+    are dropped. Loss and gradients match the call whose first GEMM waits for the count, and float64; every row
+    ignored gives loss 0 and zero gradients."""
+    n, lead = {"one-token": (1, 1), "chunks": (60, 3)}.get(case, (60, 16))
+    hidden, weight, target, bias, opts = build(names, n=n, v=300, ignore_every=4 if n > 1 else 0)
+    hidden, weight = hidden.to(dtype), weight.to(dtype)
+    bias = None if bias is None else bias.to(dtype)
+    if case == "past-kept":
+        target[5:] = -100
+    if case == "all-ignored":
+        target[:] = -100
+    if case == "chunks":
+        opts["memory_budget"] = 8192
+    if bias is not None:
+        opts["bias"] = bias
+    n_kept = int((target != -100).sum())
+    lead_rows = mock.patch.object(engine, "_lead_rows", lambda rows, hidden, vocab: min(rows, lead))
+    with tile_compaction(True), lead_rows, gemms_and_reads() as events:
+        deferred = grads_target_apart(hidden, weight, target, **opts)
+    if case == "chunks":
+        assert events[:2] == [lead, "read"] and len(events) > 4 and sum(events[2:]) == n_kept - lead, events
+    elif case == "past-kept":
+        assert events == [lead, "read"], events
+    else:
+        assert events[:2] == [min(lead, n), "read"] and sum(events[2:]) == max(0, n_kept - lead), events
+    waiting = mock.patch.object(engine, "_tile_deferral", lambda *args: None)
+    with tile_compaction(True), waiting, gemms_and_reads() as events:
+        waited = grads_target_apart(hidden, weight, target, **opts)
+    assert events[0] == "read", events
+    if case == "all-ignored":
+        assert deferred[0].item() == 0.0 and not deferred[1].any() and not deferred[2].any()
+        return
+    ref = float64_grads(hidden, weight, target, **opts)
+    torch.testing.assert_close(deferred[0], waited[0], rtol=1e-6, atol=0.0)
+    for name, d, w, r in zip(("dX", "dW"), deferred[1:], waited[1:], ref[1:]):
+        assert d.dtype == dtype and torch.isfinite(d).all(), name
+        assert rel_err(d, r) <= TILE_MARGIN * rel_err(w, r) + 1e-4, (name, rel_err(d, r), rel_err(w, r))
+
+
+def test_lead_rows():
+    """The GEMM launched before the count's read takes whole 128-row tiles, at least ``_LEAD_GEMM_FLOPS``' worth
+    (at most the chunk's rows)."""
+    for hidden, vocab in ((4096, 128256), (1024, 151936), (4096, 32768), (2048, 128256)):
+        rows = engine._lead_rows(1 << 20, hidden, vocab)
+        assert rows % 128 == 0 and 2 * hidden * vocab * rows >= engine._LEAD_GEMM_FLOPS
+        assert 2 * hidden * vocab * (rows - 128) < engine._LEAD_GEMM_FLOPS
+        assert engine._lead_rows(5, hidden, vocab) == 5
 
 
 def check_frequent_classes(budget_rows: int, dtype: torch.dtype = torch.bfloat16, **opts) -> tuple:
