@@ -662,6 +662,9 @@ class TritonTileOps:
         softcap = params.softcap
         block, num_warps = self._config(n_cols, rows, logits.device)
         row_scale, uniform, x, weight = (spare, spare, spare, spare) if scaled is None else scaled
+        # without the scaled sweep the hidden size is unused: a constant, not the spare's row count, which Triton
+        # would specialize on (a count divisible by 16 would compile another variant)
+        hidden = 0 if scaled is None else x.shape[-1]
         ref_offset = repair_above = 0.0
         if scaled is not None:
             from . import triton_scaled  # it builds on this module's kernels
@@ -694,7 +697,7 @@ class TritonTileOps:
                 x.stride(0),
                 weight,
                 weight.stride(0),
-                x.shape[-1],
+                hidden,
                 ref_offset,
                 repair_above,
                 n_cols,
