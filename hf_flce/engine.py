@@ -698,7 +698,8 @@ def _tile_deferral(plan: CallPlan, fused, eager: bool, device: torch.device):
 
 
 # The FLOPs of the logits GEMM launched before the host reads the kept count on the tile path: about 0.2 ms on an
-# H100, longer than the host's steps from that read to the next launch (~0.1 ms), so the GPU does not wait for them.
+# H100, for the GPU to run while the host takes its steps from that read to the next launch. Twice as many measured
+# no better overall and would waste twice as much where nearly every row is masked (docs/PERF_NOTES.md v55).
 _LEAD_GEMM_FLOPS = 1.5e11
 
 
@@ -761,8 +762,8 @@ def _chunk_forward(
     epilogue path's ``ScaledGradient``), and with ``keep`` what the per-token backward reuses.
     ``settle`` (a deferred first chunk, launched before the host knows how many rows are kept; the epilogue GEMM
     reads that count from ``rows_on_device``, the tile path's is split, ``_logits_before_the_count``): called once
-    the GEMM is launched, it returns how many of the chunk's leading rows count, and the results are cut to them. ``keep_columns`` (with ``keep``): only the leading
-    columns' e is kept. ``target_apart``: a gradient that is not a scaled one comes with its target column apart
+    the GEMM is launched, it returns how many of the chunk's leading rows count, and the results are cut to them.
+    ``keep_columns`` (with ``keep``): only the leading columns' e is kept. ``target_apart``: a gradient that is not a scaled one comes with its target column apart
     (``_gradient_target_apart``). ``w_sum``: W's column sum, for the epilogue path's label-smoothed scaled gradient."""
     n_rows = x_chunk.shape[0]
     # a scaled gradient's row scales come from the GEMM's path already times the upstream 0-d (no pass for it), but

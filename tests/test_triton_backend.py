@@ -734,6 +734,7 @@ def gemms_and_reads():
         ("split", ("smoothing",), torch.bfloat16),
         ("split", ("bias", "z_loss"), torch.bfloat16),
         ("split", ("class_weight",), torch.float16),
+        ("split", ("dft",), torch.bfloat16),
         ("past-kept", (), torch.bfloat16),
         ("past-kept", ("smoothing", "temperature"), torch.bfloat16),
         ("chunks", (), torch.bfloat16),
@@ -749,7 +750,11 @@ def test_tile_path_first_gemm_before_the_count(case, names, dtype, tile_path):
     are dropped. Loss and gradients match the call whose first GEMM waits for the count, and float64; every row
     ignored gives loss 0 and zero gradients."""
     n, lead = {"one-token": (1, 1), "chunks": (60, 3)}.get(case, (60, 16))
+    dft = "dft" in names
+    names = tuple(name for name in names if name != "dft")
     hidden, weight, target, bias, opts = build(names, n=n, v=300, ignore_every=4 if n > 1 else 0)
+    if dft:
+        opts["prob_weighted"] = True
     hidden, weight = hidden.to(dtype), weight.to(dtype)
     bias = None if bias is None else bias.to(dtype)
     if case == "past-kept":
