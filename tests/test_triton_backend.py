@@ -680,12 +680,9 @@ def test_tile_path_compacts_in_one_launch(tile_path):
     hidden, weight = hidden.to(torch.bfloat16), weight.to(torch.bfloat16)
     opts["memory_budget"] = 8192
 
-    def compaction(on):
-        no_deferral = mock.patch.object(engine, "_tile_deferral", lambda *args: None)
-        return contextlib.ExitStack() if not on else _stacked(tile_compaction(True), no_deferral)
-
+    waiting = mock.patch.object(engine, "_tile_deferral", lambda *args: None)
     spy = mock.patch.object(triton_gemm, "kept_order", wraps=triton_gemm.kept_order)
-    with compaction(True), spy as kept_order:
+    with tile_compaction(True), waiting, spy as kept_order:
         one_launch = grads_target_apart(hidden, weight, target, **opts)
         assert kept_order.call_count == 1
         bad = target.clone()
@@ -697,13 +694,6 @@ def test_tile_path_compacts_in_one_launch(tile_path):
         assert kept_order.call_count == 0
     for name, a, b in zip(("loss", "dX", "dW"), one_launch, by_torch):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
-
-
-def _stacked(*contexts) -> contextlib.ExitStack:
-    stack = contextlib.ExitStack()
-    for context in contexts:
-        stack.enter_context(context)
-    return stack
 
 
 @contextlib.contextmanager
