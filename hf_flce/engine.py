@@ -305,9 +305,9 @@ def _gradient_target_apart(plan: CallPlan, fused, x: torch.Tensor, bias: torch.T
     (``_dw_sum_in_weight_dtype``), with no float32 ``[V, H]`` sum. On the tile path (cuBLAS float32 logits and the
     tile passes: GPUs before Hopper, class-weighted calls) the backend's ``forward_target_apart`` does it (on bf16 in
     one sweep, as ``E`` and row scales, but for label smoothing with class weights: ``TritonTileOps.one_sweep``); on
-    the epilogue path (fp16 operands; bf16 ones with ``HF_FLCE_SCALED_GRAD=0``) ``fused.gradient_target_apart``. Not with a
-    bias (its gradient would need the column too), nor for DFT on the tile path (whose pass writes the gradient with the
-    statistics, before DFT's per-row factor is known; the epilogue path's pass comes after it);
+    the epilogue path (fp16 operands; bf16 ones with ``HF_FLCE_SCALED_GRAD=0``) ``fused.gradient_target_apart``.
+    Not with a bias (its gradient would need the column too), nor for DFT on the tile path (whose pass writes the
+    gradient with the statistics, before DFT's per-row factor is known; the epilogue path's pass comes after it);
     ``HF_FLCE_TARGET_APART=0`` keeps the column in."""
     backend, method = (plan.tiles, "forward_target_apart") if fused is None else (fused, "gradient_target_apart")
     return (
@@ -763,8 +763,9 @@ def _chunk_forward(
     ``settle`` (a deferred first chunk, launched before the host knows how many rows are kept; the epilogue GEMM
     reads that count from ``rows_on_device``, the tile path's is split, ``_logits_before_the_count``): called once
     the GEMM is launched, it returns how many of the chunk's leading rows count, and the results are cut to them.
-    ``keep_columns`` (with ``keep``): only the leading columns' e is kept. ``target_apart``: a gradient that is not a scaled one comes with its target column apart
-    (``_gradient_target_apart``). ``w_sum``: W's column sum, for the epilogue path's label-smoothed scaled gradient."""
+    ``keep_columns`` (with ``keep``): only the leading columns' e is kept. ``target_apart``: a gradient that is not
+    a scaled one comes with its target column apart (``_gradient_target_apart``). ``w_sum``: W's column sum, for the
+    epilogue path's label-smoothed scaled gradient."""
     n_rows = x_chunk.shape[0]
     # a scaled gradient's row scales come from the GEMM's path already times the upstream 0-d (no pass for it), but
     # for DFT, whose per-row factor is known only after the statistics
