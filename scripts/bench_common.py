@@ -448,9 +448,15 @@ def bar_groups(
 
 
 def line_series(
-    ax, xs: Sequence[float], series: dict[str, Sequence[float | None]], xlabel: str, ylabel: str, title: str
+    ax,
+    xs: Sequence[float],
+    series: dict[str, Sequence[float | None]],
+    xlabel: str,
+    ylabel: str,
+    title: str,
+    log: bool = False,
 ) -> None:
-    """One line per series over ``xs``; missing points (OOM, errors) are left out."""
+    """One line per series over ``xs``; missing points (OOM, errors) are left out. ``log``: a logarithmic y axis."""
     for i, (label, values) in enumerate(series.items()):
         pts = [(x, v) for x, v in zip(xs, values) if v is not None]
         if pts:
@@ -460,6 +466,8 @@ def line_series(
     ax.set_title(title, fontsize=10)
     if any(x > 0 for x in xs):
         ax.set_xscale("log", base=2)
+    if log:
+        ax.set_yscale("log")
     ax.legend(fontsize=7, ncol=3)
 
 

@@ -883,7 +883,8 @@ def render_tables(data: dict[str, Any]) -> str:
 def render_plots(data: dict[str, Any], path: Path) -> None:
     floors = {k: v.get("floor_ms") for k, v in data["floor"].items()}
     has_mem = any(_ok(r, "extra_bytes") for r in data["main"])
-    panels = [bool(data["main"]), has_mem, bool(data["memory_vs_n"] or data["cpu_memory"])]
+    # the memory-vs-N section takes two panels (memory and time), the CPU's one
+    panels = [bool(data["main"]), has_mem, bool(data["memory_vs_n"] or data["cpu_memory"]), bool(data["memory_vs_n"])]
     if not any(panels):  # e.g. only the pertoken or masked section: their tables carry it all
         return
     fig, axes = new_figure(sum(panels), width=12)
@@ -920,11 +921,31 @@ def render_plots(data: dict[str, Any], path: Path) -> None:
         ns = sorted({r["n"] for r in data["memory_vs_n"]})
         by = {(r["provider"], r["n"]): r for r in data["memory_vs_n"]}
         provs = list(dict.fromkeys(r["provider"] for r in data["memory_vs_n"]))
-        gib = {
-            p: [None if _ok(by.get((p, n)), "extra_bytes") is None else by[(p, n)]["extra_bytes"] / 2**30 for n in ns]
-            for p in provs
-        }
-        line_series(next(axes_iter), ns, gib, "N (tokens)", "extra GiB", "Extra memory vs N (missing points: OOM)")
+
+        def per_n(key: str, scale: float) -> dict[str, list[float | None]]:
+            return {
+                p: [None if _ok(by.get((p, n)), key) is None else by[(p, n)][key] / scale for n in ns] for p in provs
+            }
+
+        missing = "(missing points: OOM)"
+        line_series(
+            next(axes_iter),
+            ns,
+            per_n("extra_bytes", 2**30),
+            "N (tokens)",
+            "extra GiB (log)",
+            f"Extra memory vs N, gradients included {missing}",
+            log=True,
+        )
+        line_series(
+            next(axes_iter),
+            ns,
+            per_n("fwdbwd_ms", 1.0),
+            "N (tokens)",
+            "fwd+bwd ms (log)",
+            f"Time of one fwd+bwd vs N {missing}",
+            log=True,
+        )
     elif data["cpu_memory"]:
         rows = data["cpu_memory"]
         vals = {

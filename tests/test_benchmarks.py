@@ -126,6 +126,33 @@ def test_kernel_benchmark_one_section_without_plots(tmp_path: Path) -> None:
     assert not (tmp_path / "kernel.png").exists()
 
 
+def test_memory_vs_n_plots_memory_and_time(tmp_path: Path, monkeypatch) -> None:
+    """An accelerator's memory section plots extra memory and the time of one call against N, on log axes, leaving
+    out the points that ran out of memory."""
+    kernel = _load("benchmark_kernel")
+    pytest.importorskip("matplotlib")
+    rows = []
+    for provider, gib, ms in (
+        ("stock", (11.7, 47.0, None), (46.0, 205.0, None)),
+        ("ours", (1.7, 2.2, 2.5), (36, 149, 293)),
+    ):
+        for n, extra, time_ms in zip((8192, 32768, 65536), gib, ms):
+            ok = extra is not None
+            rec = {"shape": f"s@{n}", "n": n, "provider": provider, "status": "ok" if ok else "OOM"}
+            rows.append(rec | ({"extra_bytes": extra * 2**30, "grad_bytes": 0, "fwdbwd_ms": time_ms} if ok else {}))
+    data = {"floor": {}, "main": [], "memory_vs_n": rows, "cpu_memory": []}
+    figures = []
+    monkeypatch.setattr(kernel, "save_figure", lambda fig, path: figures.append(fig))
+    kernel.render_plots(data, tmp_path / "kernel.png")
+    (fig,) = figures
+    memory, time = fig.axes
+    assert "memory" in memory.get_title() and "Time" in time.get_title()
+    assert memory.get_yscale() == time.get_yscale() == "log"
+    for ax, stock, ours in ((memory, [11.7, 47.0], [1.7, 2.2, 2.5]), (time, [46.0, 205.0], [36, 149, 293])):
+        lines = {line.get_label(): list(line.get_ydata()) for line in ax.get_lines()}
+        assert lines == {"stock": pytest.approx(stock), "ours": pytest.approx(ours)}
+
+
 def test_training_benchmark_cpu(tmp_path: Path) -> None:
     training = _load("benchmark_training")
     argv = ["--device", "cpu", "--models", "tiny-llama", "--tokens", "128", "--seq", "64", "--steps", "1"]
