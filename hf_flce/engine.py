@@ -697,16 +697,21 @@ def _tile_deferral(plan: CallPlan, fused, eager: bool, device: torch.device):
     return _compaction(plan, device) if fused is None and eager else None
 
 
-# The FLOPs of the logits GEMM launched before the host reads the kept count on the tile path: about 0.2 ms on an
-# H100, for the GPU to run while the host takes its steps from that read to the next launch. Twice as many measured
-# no better overall and would waste twice as much where nearly every row is masked (docs/PERF_NOTES.md v55).
+# The FLOPs of the 16-bit logits GEMM launched before the host reads the kept count on the tile path: about 0.2 ms
+# on an H100, for the GPU to run while the host takes its steps from that read to the next launch. Twice as many
+# measured no better overall and would waste twice as much where nearly every row is masked (docs/PERF_NOTES.md v55).
 _LEAD_GEMM_FLOPS = 1.5e11
+# A float32 GEMM (without TF32) runs at about 1/15 of a bf16 one's rate on an H100 or an A100 (no tensor cores), so
+# its lead takes that much fewer FLOPs for the same time: at 1.5e11 it wasted 1.4-2.3 ms where every row is ignored
+# (H100, docs/PERF_NOTES.md v57).
+_LEAD_FLOAT32_SLOWDOWN = 16
 
 
-def _lead_rows(rows: int, hidden: int, vocab: int) -> int:
-    """How many of a deferred chunk's ``rows`` the GEMM launched before the count's read takes (``_LEAD_GEMM_FLOPS``,
-    in whole 128-row tiles)."""
-    return min(rows, cdiv(cdiv(int(_LEAD_GEMM_FLOPS), 2 * hidden * vocab), 128) * 128)
+def _lead_rows(rows: int, hidden: int, vocab: int, dtype: torch.dtype) -> int:
+    """How many of a deferred chunk's ``rows`` the GEMM launched before the count's read takes (``_LEAD_GEMM_FLOPS``
+    on 16-bit operands, ``_LEAD_FLOAT32_SLOWDOWN`` times fewer on float32 ones, in whole 128-row tiles)."""
+    flops = int(_LEAD_GEMM_FLOPS) // (1 if dtype.itemsize <= 2 else _LEAD_FLOAT32_SLOWDOWN)
+    return min(rows, cdiv(cdiv(flops, 2 * hidden * vocab), 128) * 128)
 
 
 def _logits_before_the_count(x_chunk, w_c, bias, spare_row: bool, settle: Callable[[], int]) -> torch.Tensor:
@@ -716,10 +721,10 @@ def _logits_before_the_count(x_chunk, w_c, bias, spare_row: bool, settle: Callab
     epilogue GEMM does. It is split instead: the GEMM of the leading ``_lead_rows`` rows is launched before the host
     waits for the count (``settle``), the rest of the kept rows' once it is known, into the same buffer. Rows of the
     first GEMM past the kept count are computed for nothing; that happens only when fewer rows are kept than it
-    takes, and costs at most its ~0.2 ms, about the idle GPU time it saves."""
+    takes, and costs at most its ~0.2 ms (float32: one 128-row tile, ~0.2-0.6 ms), about the idle GPU time it saves."""
     planned = x_chunk.shape[0]
     logits = logits_buffer(planned, w_c.shape[0], x_chunk.device, spare_row)
-    lead = _lead_rows(planned, w_c.shape[1], w_c.shape[0])
+    lead = _lead_rows(planned, w_c.shape[1], w_c.shape[0], w_c.dtype)
     compute_logits(x_chunk[:lead], w_c, None, out=logits[:lead])
     n_rows = settle()
     if n_rows > lead:
@@ -795,6 +800,8 @@ def _chunk_forward(
         else:
             kept = _logits_before_the_count(x_chunk, w_c, bias, spare_row, settle)
             n_rows = kept.shape[0]
+            if n_rows == 0:  # every row ignored: the caller takes no chunk
+                return TileStats.empty(0, x_chunk.device), None, None, None
             x_chunk, ys = x_chunk[:n_rows], ys[:n_rows]
     scale = inv_denominator().expand(n_rows) if eager and scaled_upstream is None else None
     grad_out = prob = None

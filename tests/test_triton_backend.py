@@ -756,7 +756,7 @@ def test_tile_path_first_gemm_before_the_count(case, names, dtype, tile_path):
     if bias is not None:
         opts["bias"] = bias
     n_kept = int((target != -100).sum())
-    lead_rows = mock.patch.object(engine, "_lead_rows", lambda rows, hidden, vocab: min(rows, lead))
+    lead_rows = mock.patch.object(engine, "_lead_rows", lambda rows, *shape_and_dtype: min(rows, lead))
     with tile_compaction(True), lead_rows, gemms_and_reads() as events:
         deferred = grads_target_apart(hidden, weight, target, **opts)
     if case == "chunks":
@@ -780,13 +780,18 @@ def test_tile_path_first_gemm_before_the_count(case, names, dtype, tile_path):
 
 
 def test_lead_rows():
-    """The GEMM launched before the count's read takes whole 128-row tiles, at least ``_LEAD_GEMM_FLOPS``' worth
-    (at most the chunk's rows)."""
-    for hidden, vocab in ((4096, 128256), (1024, 151936), (4096, 32768), (2048, 128256)):
-        rows = engine._lead_rows(1 << 20, hidden, vocab)
-        assert rows % 128 == 0 and 2 * hidden * vocab * rows >= engine._LEAD_GEMM_FLOPS
-        assert 2 * hidden * vocab * (rows - 128) < engine._LEAD_GEMM_FLOPS
-        assert engine._lead_rows(5, hidden, vocab) == 5
+    """The GEMM launched before the count's read takes whole 128-row tiles, at least ``_LEAD_GEMM_FLOPS``' worth on
+    16-bit operands and ``_LEAD_FLOAT32_SLOWDOWN`` times fewer on float32 ones, which run that much slower (at most
+    the chunk's rows)."""
+    for hidden, vocab in ((4096, 128256), (1024, 151936), (4096, 32768), (2048, 128256), (8192, 256000)):
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            flops = engine._LEAD_GEMM_FLOPS / (1 if dtype.itemsize == 2 else engine._LEAD_FLOAT32_SLOWDOWN)
+            rows = engine._lead_rows(1 << 20, hidden, vocab, dtype)
+            assert rows % 128 == 0 and rows >= 128 and 2 * hidden * vocab * rows >= flops
+            assert rows == 128 or 2 * hidden * vocab * (rows - 128) < flops
+            assert engine._lead_rows(5, hidden, vocab, dtype) == 5
+        lead_16bit, lead_32bit = (engine._lead_rows(1 << 20, hidden, vocab, d) for d in (torch.bfloat16, torch.float32))
+        assert lead_32bit <= lead_16bit
 
 
 def check_frequent_classes(budget_rows: int, dtype: torch.dtype = torch.bfloat16, **opts) -> tuple:
