@@ -702,8 +702,8 @@ def _tile_deferral(plan: CallPlan, fused, eager: bool, device: torch.device):
 # measured no better overall and would waste twice as much where nearly every row is masked (docs/PERF_NOTES.md v55).
 _LEAD_GEMM_FLOPS = 1.5e11
 # A float32 GEMM (without TF32) runs at about 1/15 of a bf16 one's rate on an H100 or an A100 (no tensor cores), so
-# its lead takes that much fewer FLOPs for the same time: at 1.5e11 it wasted 1.4-2.3 ms where every row is ignored
-# (H100, docs/PERF_NOTES.md v57).
+# its lead takes that much fewer FLOPs for the same time. At 1.5e11 the lead's rows computed for nothing where every
+# row is ignored took 2.1% of the 3-GEMM floor's time (isolated, H100, mistral-7b's head; docs/PERF_NOTES.md v57).
 _LEAD_FLOAT32_SLOWDOWN = 16
 
 
@@ -721,7 +721,9 @@ def _logits_before_the_count(x_chunk, w_c, bias, spare_row: bool, settle: Callab
     epilogue GEMM does. It is split instead: the GEMM of the leading ``_lead_rows`` rows is launched before the host
     waits for the count (``settle``), the rest of the kept rows' once it is known, into the same buffer. Rows of the
     first GEMM past the kept count are computed for nothing; that happens only when fewer rows are kept than it
-    takes, and costs at most its ~0.2 ms (float32: one 128-row tile, ~0.2-0.6 ms), about the idle GPU time it saves."""
+    takes, and costs at most its ~0.2 ms, about the idle GPU time it saves. Float32 operands take at least one
+    128-row tile on the CUDA cores: with every row ignored at mistral-7b's head, 0.2% of the 3-GEMM floor's time, and
+    more on a head with more FLOPs per row."""
     planned = x_chunk.shape[0]
     logits = logits_buffer(planned, w_c.shape[0], x_chunk.device, spare_row)
     lead = _lead_rows(planned, w_c.shape[1], w_c.shape[0], w_c.dtype)
