@@ -802,9 +802,9 @@ def _chunk_forward(
         else:
             kept = _logits_before_the_count(x_chunk, w_c, bias, spare_row, settle)
             n_rows = kept.shape[0]
-            if n_rows == 0:  # every row ignored: the caller takes no chunk
-                return TileStats.empty(0, x_chunk.device), None, None, None
             x_chunk, ys = x_chunk[:n_rows], ys[:n_rows]
+    if settle is not None and n_rows == 0:  # every row ignored: the caller takes no chunk, nothing more to launch
+        return TileStats.empty(0, x_chunk.device), None, None, None
     scale = inv_denominator().expand(n_rows) if eager and scaled_upstream is None else None
     grad_out = prob = None
     if fused is None and eager and not plan.prob_weighted:
