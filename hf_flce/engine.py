@@ -302,10 +302,11 @@ def _gradient_target_apart(plan: CallPlan, fused, x: torch.Tensor, bias: torch.T
     """Whether a scalar loss whose gradient is not a scaled one (``_scaled_gradient``) writes its 16-bit logits
     gradient with each row's target column taken out and carried in float32, as the scaled gradient does: the
     16-bit sums of dW then round only its softmax part, so they are kept in the gradient itself
-    (``_dw_sum_in_weight_dtype``), with no float32 ``[V, H]`` sum. On the tile path (cuBLAS float32 logits and the
-    tile passes: GPUs before Hopper, class-weighted calls) the backend's ``forward_target_apart`` does it (on bf16 in
-    one sweep, as ``E`` and row scales, but for label smoothing with class weights: ``TritonTileOps.one_sweep``); on
-    the epilogue path (fp16 operands; bf16 ones with ``HF_FLCE_SCALED_GRAD=0``) ``fused.gradient_target_apart``.
+    (``_dw_sum_in_weight_dtype``), with no float32 ``[V, H]`` sum. On the tile path (the GEMM's logits and the tile
+    passes: GPUs before Hopper, class-weighted calls, the torch backend) the backend's ``forward_target_apart`` does
+    it (Triton's on bf16 in one sweep, as ``E`` and row scales, but for label smoothing with class weights:
+    ``TritonTileOps.one_sweep``); on the epilogue path (fp16 operands; bf16 ones with ``HF_FLCE_SCALED_GRAD=0``)
+    ``fused.gradient_target_apart``.
     Not with a bias (its gradient would need the column too), nor for DFT on the tile path (whose pass writes the
     gradient with the statistics, before DFT's per-row factor is known; the epilogue path's pass comes after it);
     ``HF_FLCE_TARGET_APART=0`` keeps the column in."""
@@ -560,13 +561,15 @@ class _GradBuffers:
             self.dw.addmm_(grad_logits.t(), x_chunk)
 
     def _add_scaled(self, start, end, grad, x_chunk):
-        """A ``ScaledGradient`` (``backends/triton_scaled.py``): ``G = diag(s) E`` plus the target column (and with
-        label smoothing the uniform term ``u``), so ``dX = s (E W) + c W[y] (+ u 1^T W)`` and ``dW = E^T (s X)`` (+
+        """A ``ScaledGradient`` (``backends/triton_scaled.py``; the torch backend's ``TargetApartGradient`` has unit
+        row scales): ``G = diag(s) E`` plus the target column (and with label smoothing the uniform term ``u``), so ``dX = s (E W) + c W[y] (+ u 1^T W)`` and ``dW = E^T (s X)`` (+
         ``u^T X`` at every row, in the same GEMM) plus ``c x`` added at the target rows."""
         if self.dx is not None:
-            # E W in float32 ([rows, H]) is a temporary: not alive any more when the dW GEMM runs (the call's peak)
+            # E W in float32 ([rows, H]) is a temporary: not alive any more when the dW GEMM runs (the call's peak).
+            # Where the GEMM has no float32 output (CPU) it is the 16-bit product upcast: an exact one would upcast W,
+            # 4 V H bytes per chunk.
             grad.write_dx(
-                exact_mm_fp32(grad.dx_operand(), self.weight),
+                mm_fp32(grad.dx_operand(), self.weight),
                 self.weight,
                 self.dx,
                 None if self.rows is None else self.rows[start:end],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import os
 import weakref
 from unittest import mock
 
@@ -15,6 +16,7 @@ from torch.utils.checkpoint import checkpoint
 import hf_flce
 from hf_flce import engine, reference_linear_cross_entropy
 from hf_flce.backends import resolve_backend
+from hf_flce.backends.torch_tiles import TorchTileOps
 
 OPTIONS = {
     "label_smoothing": 0.15,
@@ -641,9 +643,15 @@ def test_prob_weighted_is_dft(kw):
         hf_flce.fused_linear_cross_entropy(x, w, y, prob_weighted=True, reduction="none")
 
 
-def test_cpu_16bit_chunks_keep_dw_in_float32():
-    # Several chunks of bf16 logits: dW is summed in float32, seeded by a first chunk that is not rounded to bf16.
-    # Its error against float64 must match a single chunk's (one bf16 GEMM, as stock) to within a few percent.
+def _target_apart(on: bool):
+    """``HF_FLCE_TARGET_APART``: a 16-bit scalar loss's gradient with its target column apart (the default) or in."""
+    return mock.patch.dict(os.environ, {"HF_FLCE_TARGET_APART": "1" if on else "0"})
+
+
+def test_cpu_16bit_chunks_with_the_target_column_in_keep_dw_in_float32():
+    # With the target column in the 16-bit gradient (HF_FLCE_TARGET_APART=0), several chunks of bf16 logits sum dW in
+    # float32, seeded by a first chunk that is not rounded to bf16. Its error against float64 must match a single
+    # chunk's (one bf16 GEMM, as stock) to within a few percent.
     torch.manual_seed(3)
     x, w, y, _ = _problem(n=1024, h=64, v=512, dtype=torch.bfloat16, ignore_every=7)
     xr, wr = x.double().requires_grad_(), w.double().requires_grad_()
@@ -652,7 +660,7 @@ def test_cpu_16bit_chunks_keep_dw_in_float32():
     errors = {}
     for budget in (None, 64 * 512 * 6):  # one chunk; 14 chunks of <= 64 rows (2 B/logit + the float32 upcast)
         wo = w.clone().requires_grad_()
-        with mock.patch.object(engine, "compute_logits", wraps=engine.compute_logits) as gemms:
+        with _target_apart(False), mock.patch.object(engine, "compute_logits", wraps=engine.compute_logits) as gemms:
             hf_flce.fused_linear_cross_entropy(x, wo, y, memory_budget=budget).backward()
         assert gemms.call_count == (1 if budget is None else 14)
         errors[budget] = ((wo.grad.double() - wr.grad).norm() / wr.grad.norm()).item()
@@ -666,11 +674,154 @@ def test_cpu_16bit_chunks_keep_dw_in_float32():
     assert ((dw_product(g, xs).double() - exact).norm() / exact.norm()).item() < 1e-6
 
 
+def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want).norm() / want.norm()).item()
+
+
+@pytest.mark.parametrize("frequent", [0, 16], ids=["bf16-sum", "16-frequent-in-fp32"])
+@pytest.mark.parametrize("peaked", [False, True], ids=["flat", "peaked"])
+@pytest.mark.parametrize("names", [(), ("label_smoothing", "z_loss"), ("softcap", "temperature", "class_weight")])
+def test_cpu_16bit_chunks_sum_dw_in_the_gradient_with_the_target_column_apart(names, peaked, frequent):
+    # By default a bf16 scalar loss on CPU takes its gradient with the target column apart (the torch backend's
+    # forward_target_apart): dW is summed across chunks in the bf16 gradient itself, with no float32 [V, H] sum, and
+    # each target row gets its float32 term once. The loss is the column-in path's (whose dW is summed in float32),
+    # and so is dX's error against float64. dW's is that path's too without options (the target terms are most of
+    # dW); where the softmax part carries more of it, the bf16 sum rounds it once per chunk (as on a GPU,
+    # docs/PERF_NOTES.md v46): at these 9 chunks 1.10x the float32 sum's error with smoothing and z-loss, 1.75x with
+    # softcap, temperature and class weights on peaked rows (3.7e-3, where torch's own bf16 cross-entropy has 6.4e-3).
+    torch.manual_seed(6)
+    x, w, y, _ = _problem(n=1024, h=64, v=512, dtype=torch.bfloat16, ignore_every=7)
+    if peaked:
+        x = (x.float() + 4.0 * w.float()[y.clamp(min=0)]).bfloat16()
+    kw = {name: OPTIONS[name] for name in names if name != "class_weight"}
+    if "class_weight" in names:
+        kw["class_weight"] = torch.rand(512) + 0.5
+    leaves = (x.double().requires_grad_(), w.double().requires_grad_())
+    ref, _ = reference_linear_cross_entropy(
+        *leaves, y, **{k: v.double() if torch.is_tensor(v) else v for k, v in kw.items()}
+    )
+    ref.backward()
+
+    def grads(apart: bool, budget: int | None):
+        xo, wo = x.clone().requires_grad_(), w.clone().requires_grad_()
+        with _target_apart(apart), mock.patch.object(engine, "compute_logits", wraps=engine.compute_logits) as gemms:
+            loss = hf_flce.fused_linear_cross_entropy(xo, wo, y, memory_budget=budget, **kw)
+            loss.backward()
+        return loss.detach(), xo.grad, wo.grad, gemms.call_count
+
+    budget = 64 * 512 * 4
+    no_fp32_sum = mock.patch.object(engine, "dw_product", side_effect=AssertionError("a float32 dW sum"))
+    apart_calls = mock.patch.object(
+        TorchTileOps, "forward_target_apart", autospec=True, side_effect=TorchTileOps.forward_target_apart
+    )
+    frequent_classes = mock.patch.dict(os.environ, {engine._FrequentClassRows.COUNT_ENV: str(frequent)})
+    with no_fp32_sum, apart_calls as apart, frequent_classes:
+        new = grads(True, budget)
+    assert new[3] >= 8 and apart.call_count == new[3]
+    old, single = grads(False, budget), grads(False, None)
+    torch.testing.assert_close(new[0], old[0], rtol=1e-6, atol=0.0)
+    for i, name in ((1, "dX"), (2, "dW")):
+        assert new[i].dtype == torch.bfloat16, name
+        err, bound = (
+            _rel_err(new[i], leaves[i - 1].grad),
+            max(_rel_err(old[i], leaves[i - 1].grad), _rel_err(single[i], leaves[i - 1].grad)),
+        )
+        assert err <= (1.02 if name == "dX" or not names else 2.0) * bound, (name, err, bound)
+
+
+@pytest.mark.parametrize("case", ["all-ignored", "one-token"])
+def test_cpu_16bit_target_column_apart_edge_rows(case):
+    # Every row ignored: loss 0 and zero gradients; one token: the gradients of the float64 reference.
+    n = 1 if case == "one-token" else 9
+    x, w, y, _ = _problem(n=n, h=16, v=150, dtype=torch.bfloat16, ignore_every=1 if case == "all-ignored" else 0)
+    xo, wo = x.clone().requires_grad_(), w.clone().requires_grad_()
+    with _target_apart(True):
+        loss = hf_flce.fused_linear_cross_entropy(xo, wo, y, memory_budget=4096)
+        loss.backward()
+    if case == "all-ignored":
+        assert loss.item() == 0.0 and not xo.grad.any() and not wo.grad.any()
+        return
+    xr, wr = x.double().requires_grad_(), w.double().requires_grad_()
+    ref, _ = reference_linear_cross_entropy(xr, wr, y)
+    ref.backward()
+    # the CPU's bf16 GEMM rounds the logits to bf16, as stock's does
+    torch.testing.assert_close(loss.double(), ref.detach(), rtol=2e-3, atol=0.0)
+    torch.testing.assert_close(xo.grad.double(), xr.grad, rtol=1e-2, atol=1e-3)
+    torch.testing.assert_close(wo.grad.double(), wr.grad, rtol=1e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("rows_per_block", [3, 7, 2048])
+@pytest.mark.parametrize("layout", ["rows", "compacted", "float32-x", "hot"])
+def test_target_rows_are_added_once_in_float32(rows_per_block, layout):
+    # TargetApartGradient.add_target_rows: every target row of a 16-bit dW becomes dW[v] + sum_{y_i = v} c_i x_i,
+    # summed in float32 and rounded once (within one bf16 rounding of the float64 value), across blocks of sorted rows
+    # whose ends cut runs of one target; ignored rows add nothing, even with non-finite x; hot classes' terms go to
+    # their float32 rows instead, and their dW rows are left as they were.
+    from hf_flce.backends.torch_tiles import TargetApartGradient
+
+    g = torch.Generator().manual_seed(11)
+    n, h, v = 40, 6, 9
+    dw = (torch.randn(v, h, generator=g) * 4).bfloat16()
+    x = torch.randn(n + 5, h, generator=g)
+    x_rows = torch.randperm(n + 5, generator=g)[:n] if layout == "compacted" else None
+    x = x if layout == "float32-x" else x.bfloat16()
+    target = torch.randint(0, v, (n,), generator=g)
+    target[:12] = 4  # a long run of one class, cut by small blocks
+    target[::9] = -100
+    coef = torch.randn(n, generator=g)
+    x_used = x[x_rows] if x_rows is not None else x[:n]
+    x_used[target == -100] = float("nan")
+    if x_rows is not None:
+        x[x_rows] = x_used
+    hot = None
+    if layout == "hot":
+        slot = torch.full((v,), -1, dtype=torch.int32)
+        slot[torch.tensor([4, 7])] = torch.tensor([0, 1], dtype=torch.int32)
+        hot = (slot, torch.zeros(2, h))
+    out = dw.clone()
+    with mock.patch.object(TargetApartGradient, "TARGET_ROWS_BLOCK", rows_per_block):
+        TargetApartGradient.add_target_rows(out, x, x_rows, target, coef, -100, None, hot, torch.bfloat16)
+
+    kept = target != -100
+    terms = torch.zeros(v, h, dtype=torch.float64)
+    terms.index_add_(0, target[kept], x_used[kept].bfloat16().double() * coef[kept, None].double())
+    want = dw.double() + terms
+    hot_classes = [4, 7] if hot is not None else []
+    cold = torch.tensor([c not in hot_classes for c in range(v)])
+    # one rounding to bf16: within half a unit in the last place (8 significant bits) of the float64 value, plus the
+    # float32 sum's own error
+    assert ((out.double() - want).abs() <= want.abs() * 2.0**-8 * 1.01 + 1e-6)[cold].all()
+    if hot is not None:
+        assert torch.equal(out[~cold], dw[~cold])
+        torch.testing.assert_close(hot[1].double(), terms[hot_classes], rtol=1e-6, atol=1e-6)
+
+
+def test_target_rows_into_a_float32_dw_in_two_blocks():
+    # A float32 dW (the float32 sum, HF_FLCE_DW_FP32_SUM=1) takes the terms as they are, into its two row blocks.
+    from hf_flce.backends.torch_tiles import TargetApartGradient
+
+    g = torch.Generator().manual_seed(12)
+    n, h, v = 30, 5, 11
+    lower, upper = torch.randn(6, h, generator=g), torch.randn(5, h, generator=g)
+    x = torch.randn(n, h, generator=g).bfloat16()
+    target = torch.randint(0, v, (n,), generator=g)
+    target[::4] = -100
+    coef = torch.randn(n, generator=g)
+    want = torch.cat((lower, upper)).double()
+    kept = target != -100
+    want.index_add_(0, target[kept], x[kept].double() * coef[kept, None].double())
+    with mock.patch.object(TargetApartGradient, "TARGET_ROWS_BLOCK", 7):
+        TargetApartGradient.add_target_rows(lower, x, None, target, coef, -100, upper)
+    torch.testing.assert_close(torch.cat((lower, upper)).double(), want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("apart", [False, True], ids=["column-in", "column-apart"])
 @pytest.mark.parametrize("v", [131, 132])
 @pytest.mark.parametrize("upstream", [1.0, 0.37])
-def test_dw_summed_across_chunks_is_cast_into_its_own_memory(v, upstream):
-    # A 16-bit weight's dW summed over several chunks: the float32 sum's two row blocks, the 16-bit result written
-    # over the first one's float32 values in doubling spans (here from the 7th value on), the second block freed.
+def test_dw_summed_across_chunks_is_cast_into_its_own_memory(v, upstream, apart):
+    # A 16-bit weight's dW summed over several chunks in float32 (with the target column in, or apart under
+    # HF_FLCE_DW_FP32_SUM=1): the sum's two row blocks, the 16-bit result written over the first one's float32 values
+    # in doubling spans (here from the 7th value on), the second block freed.
     torch.manual_seed(5)
     x, w, y, _ = _problem(n=400, h=48, v=v, dtype=torch.bfloat16, ignore_every=7)
     xr, wr = x.double().requires_grad_(), w.double().requires_grad_()
@@ -686,7 +837,8 @@ def test_dw_summed_across_chunks_is_cast_into_its_own_memory(v, upstream):
             made.append(self)
 
     wo = w.clone().requires_grad_()
-    with mock.patch.object(engine, "_SplitDWSum", Spy):
+    fp32_sum = mock.patch.dict(os.environ, {"HF_FLCE_DW_FP32_SUM": "1"})
+    with mock.patch.object(engine, "_SplitDWSum", Spy), _target_apart(apart), fp32_sum:
         loss = hf_flce.fused_linear_cross_entropy(x, wo, y, memory_budget=16 * v * 2)
         (loss * upstream).backward()
     assert len(made) == 1 and made[0].split == -(-v // 2)

@@ -118,7 +118,9 @@ class TorchTileOps:
             return torch.ones_like(like), None
         return params.class_weight[safe_target], params.class_weight_sum
 
-    def forward(self, logits, target, params, grad_scale=None, grad_out=None) -> TileStats:
+    def forward(self, logits, target, params, grad_scale=None, grad_out=None, target_coef=None) -> TileStats:
+        """``TileOps.forward``; with ``target_coef`` ([rows] float32) the gradient's target column goes there and is
+        0 in ``grad_out`` (``forward_target_apart``)."""
         rows = logits.shape[0]
         stats = TileStats.empty(rows, logits.device, _compute_dtype(logits))
         for b, scratch in _Blocks(logits, params, tmp=False):
@@ -128,13 +130,25 @@ class TorchTileOps:
                 params,
                 None if grad_scale is None else grad_scale[b],
                 None if grad_out is None else grad_out[b],
+                None if target_coef is None else target_coef[b],
                 stats,
                 b,
                 scratch,
             )
         return stats
 
-    def _forward_block(self, logits, target, params, grad_scale, grad_out, stats, b, scratch) -> None:
+    def forward_target_apart(
+        self, logits, target, params, grad_scale, grad_out, x=None, weight=None
+    ) -> tuple[TileStats, TargetApartGradient]:
+        """``forward`` with the gradient's target column taken out of ``grad_out`` (0 there) and carried per row in
+        float32: a 16-bit ``grad_out`` then rounds only the softmax part, so dW can be summed across chunks in the
+        16-bit gradient itself (``engine._dw_sum_in_weight_dtype``). ``x`` and ``weight`` (the logits GEMM's
+        operands) are not used: writing ``E`` with row scales in one sweep is the Triton backend's."""
+        coef = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+        stats = self.forward(logits, target, params, grad_scale, grad_out, coef)
+        return stats, TargetApartGradient(grad_out, coef, target, params.ignore_index)
+
+    def _forward_block(self, logits, target, params, grad_scale, grad_out, target_coef, stats, b, scratch) -> None:
         t_buf, tanh_buf, e_buf, tmp = scratch
         t, tanh = self._transform(logits, params, t_buf, tanh_buf)
         valid = target != params.ignore_index
@@ -174,9 +188,8 @@ class TorchTileOps:
         stats.log_sum_sq_probs[b] = torch.where(valid, log_sum_sq, zero)
         if grad_scale is not None:
             grad_loss = torch.where(valid, grad_scale, zero)
-            self._write_grad(
-                t, tanh, e, sum_exp, safe_target, lse, entropy, params, grad_loss, None, None, grad_out, tmp
-            )
+            inputs = (t, tanh, e, sum_exp, safe_target, lse, entropy, params, grad_loss, None, None, grad_out, tmp)
+            self._write_grad(*inputs, target_coef=target_coef)
 
     def backward(
         self, logits, target, lse, entropy, params, grad_loss, grad_logprob, grad_entropy, grad_out, first_column=0
@@ -212,11 +225,12 @@ class TorchTileOps:
         grad_out,
         tmp,
         first_column=0,
+        target_coef=None,
     ):
         """The logits gradient of one block into ``grad_out``. ``e`` is the softmax times ``sum_exp`` per row (the
         softmax itself when ``sum_exp`` is None); it is overwritten, and so are ``tanh`` and ``tmp``. The block's
         columns are the vocabulary's from ``first_column`` on (a vocabulary chunk: ``t``, ``lse`` and ``entropy``
-        are still the whole row's)."""
+        are still the whole row's). With ``target_coef`` (whole rows only) the target column goes there instead."""
         eps, vocab = params.label_smoothing, params.vocab
         zeros = torch.zeros_like(lse)
         g_loss = zeros if grad_loss is None else grad_loss
@@ -256,4 +270,106 @@ class TorchTileOps:
             grad *= params.inv_temperature
         if tanh is not None:
             grad.mul_(tanh.square_().neg_().add_(1.0))
+        if target_coef is not None:
+            # 0 at ignored rows, whose gradient is 0
+            target_coef.copy_(grad.gather(1, safe_target[:, None]).squeeze(1))
+            grad.scatter_(1, safe_target[:, None], 0.0)
         grad_out.copy_(grad)
+
+
+class TargetApartGradient:
+    """A chunk's logits gradient ``G`` with each row's target column apart (``TorchTileOps.forward_target_apart``):
+    ``e`` is ``G`` with 0 at that column, in 16 bits, and ``target_coef`` the column's value ``c`` in float32. dX is
+    ``E W + c W[y]`` and dW is ``E^T X`` plus ``c x`` at the target rows (``add_target_rows``, once per call): a 16-bit
+    dW summed across chunks then rounds only the softmax part. It is ``triton_scaled.ScaledGradient`` with unit row
+    scales, in torch ops, for ``engine._GradBuffers``."""
+
+    row_scale = None
+    # dW's target rows are summed in float32 over this many sorted kept rows at a time
+    TARGET_ROWS_BLOCK = 2048
+
+    def __init__(self, e: torch.Tensor, target_coef: torch.Tensor, target: torch.Tensor, ignore_index: int):
+        self.e = e
+        self.target_coef = target_coef
+        self.target = target
+        self.ignore_index = ignore_index
+
+    def dx_operand(self) -> torch.Tensor:
+        return self.e
+
+    def write_dx(
+        self, ew: torch.Tensor, weight: torch.Tensor, dx: torch.Tensor, dst_rows: torch.Tensor | None, row0: int
+    ) -> None:
+        """``dx[dst] = ew + c W[y]``, rounded once to dx's dtype, from ``ew = E W`` (float32), at ``dst_rows``
+        (compacted rows) or rows ``row0:``."""
+        safe_target = torch.where(self.target != self.ignore_index, self.target, 0)
+        ew.addcmul_(self.target_coef[:, None], weight.index_select(0, safe_target))
+        if dst_rows is None:
+            dx[row0 : row0 + ew.shape[0]] = ew
+        else:
+            dx.index_copy_(0, dst_rows, ew.to(dx.dtype))
+
+    def dw_operands(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.e, x.to(self.e.dtype)
+
+    @classmethod
+    def add_target_rows(
+        cls, dw, x, x_rows, target, target_coef, ignore_index, dw_upper=None, hot=None, operand_dtype=torch.bfloat16
+    ) -> None:
+        """``dW[y_i] += c_i x_i`` over every kept row of a call, after its last chunk (``ScaledGradient.
+        add_target_rows``' arguments): row ``i`` is row ``x_rows[i]`` of ``x``, or row ``i`` without ``x_rows``; a
+        float32 ``x`` is rounded to ``operand_dtype`` first, as the dW GEMM's operand was. A float32 dW (with
+        ``dw_upper``, its rows past ``dw``'s) takes the terms as they are. A 16-bit one gets each target row once,
+        ``dW[v] + sum_{y_i = v} c_i x_i`` summed in float32 and rounded, with no host read: the rows sorted by target,
+        summed by runs of one target within blocks of rows, a run cut by a block's end carried on in float32 to the
+        next block. With ``hot = (slot, rows)``, class ``v`` with ``slot[v] >= 0`` has its row at ``rows[slot[v]]``
+        (float32) instead."""
+        n, hidden = target.shape[0], x.shape[1]
+        kept = target != ignore_index
+        y = torch.where(kept, target, 0)
+
+        def terms(idx: torch.Tensor) -> torch.Tensor:
+            """``c_i x_i`` in float32 for rows ``idx`` (0 at ignored rows, whatever their x)."""
+            xs = x.index_select(0, idx if x_rows is None else x_rows[idx])
+            xs = (xs.to(operand_dtype) if xs.dtype == torch.float32 else xs).float()
+            return torch.where(kept[idx, None], xs * target_coef[idx, None], 0.0)
+
+        if dw.dtype == torch.float32:
+            for start in range(0, n, cls.TARGET_ROWS_BLOCK):
+                idx = torch.arange(start, min(start + cls.TARGET_ROWS_BLOCK, n), device=target.device)
+                c_x, yb = terms(idx), y[idx]
+                if dw_upper is None:
+                    dw.index_add_(0, yb, c_x)
+                    continue
+                lower = yb < dw.shape[0]
+                dw.index_add_(0, torch.where(lower, yb, 0), torch.where(lower[:, None], c_x, 0.0))
+                upper_rows = torch.where(lower, 0, yb - dw.shape[0])
+                dw_upper.index_add_(0, upper_rows, torch.where(lower[:, None], 0.0, c_x))
+            return
+        assert dw_upper is None, "a 16-bit dW is one block"
+        order = torch.sort(y, stable=True).indices
+        carry = None  # (class, its float32 row so far) of the run the previous block's end cut
+        for start in range(0, n, cls.TARGET_ROWS_BLOCK):
+            idx = order[start : start + cls.TARGET_ROWS_BLOCK]
+            c_x, yb = terms(idx), y[idx]
+            if hot is not None:
+                slot = hot[0][yb].long()
+                is_hot = slot >= 0
+                hot[1].index_add_(0, torch.where(is_hot, slot, 0), torch.where(is_hot[:, None], c_x, 0.0))
+                c_x = torch.where(is_hot[:, None], 0.0, c_x)
+            # run r holds the block's r-th distinct target (yb is sorted)
+            new_run = torch.ones_like(yb, dtype=torch.bool)
+            new_run[1:] = yb[1:] != yb[:-1]
+            run = new_run.cumsum(0) - 1
+            run_sum = torch.zeros((yb.shape[0], hidden), dtype=torch.float32, device=dw.device)
+            run_sum.index_add_(0, run, c_x)
+            run_class = torch.zeros_like(yb).scatter_(0, run, yb)
+            value = dw.index_select(0, run_class).float().add_(run_sum)
+            if carry is not None:
+                value[0] = torch.where(run_class[0] == carry[0], carry[1] + run_sum[0], value[0])
+            # the slots past the last run repeat it, so every row written is a real run's, and a repeated one gets
+            # the same value each time
+            last_run = torch.minimum(torch.arange(yb.shape[0], device=dw.device), run[-1])
+            run_class, value = run_class[last_run], value[last_run]
+            dw.index_copy_(0, run_class, value.to(dw.dtype))
+            carry = (run_class[-1], value[-1])
