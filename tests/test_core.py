@@ -678,11 +678,16 @@ def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.double() - want).norm() / want.norm()).item()
 
 
+# the torch backend on CPU, and on a CUDA GPU (cuBLAS float32 logits, the gradient in their rows' tails)
+TORCH_DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", TORCH_DEVICES)
 @pytest.mark.parametrize("frequent", [0, 16], ids=["bf16-sum", "16-frequent-in-fp32"])
 @pytest.mark.parametrize("peaked", [False, True], ids=["flat", "peaked"])
 @pytest.mark.parametrize("names", [(), ("label_smoothing", "z_loss"), ("softcap", "temperature", "class_weight")])
-def test_cpu_16bit_chunks_sum_dw_in_the_gradient_with_the_target_column_apart(names, peaked, frequent):
-    # By default a bf16 scalar loss on CPU takes its gradient with the target column apart (the torch backend's
+def test_16bit_chunks_sum_dw_in_the_gradient_with_the_target_column_apart(names, peaked, frequent, device):
+    # By default a bf16 scalar loss on the torch backend takes its gradient with the target column apart (its
     # forward_target_apart): dW is summed across chunks in the bf16 gradient itself, with no float32 [V, H] sum, and
     # each target row gets its float32 term once. The loss is the column-in path's (whose dW is summed in float32),
     # and so is dX's error against float64. dW's is that path's too without options (the target terms are most of
@@ -702,12 +707,14 @@ def test_cpu_16bit_chunks_sum_dw_in_the_gradient_with_the_target_column_apart(na
     )
     ref.backward()
 
+    kw = {k: v.to(device) if torch.is_tensor(v) else v for k, v in kw.items()}
+
     def grads(apart: bool, budget: int | None):
-        xo, wo = x.clone().requires_grad_(), w.clone().requires_grad_()
+        xo, wo = x.to(device).requires_grad_(), w.to(device).requires_grad_()
         with _target_apart(apart), mock.patch.object(engine, "compute_logits", wraps=engine.compute_logits) as gemms:
-            loss = hf_flce.fused_linear_cross_entropy(xo, wo, y, memory_budget=budget, **kw)
+            loss = hf_flce.fused_linear_cross_entropy(xo, wo, y.to(device), memory_budget=budget, backend="torch", **kw)
             loss.backward()
-        return loss.detach(), xo.grad, wo.grad, gemms.call_count
+        return loss.detach().cpu(), xo.grad.cpu(), wo.grad.cpu(), gemms.call_count
 
     budget = 64 * 512 * 4
     no_fp32_sum = mock.patch.object(engine, "dw_product", side_effect=AssertionError("a float32 dW sum"))
@@ -729,30 +736,33 @@ def test_cpu_16bit_chunks_sum_dw_in_the_gradient_with_the_target_column_apart(na
         assert err <= (1.02 if name == "dX" or not names else 2.0) * bound, (name, err, bound)
 
 
+@pytest.mark.parametrize("device", TORCH_DEVICES)
 @pytest.mark.parametrize("case", ["all-ignored", "one-token"])
-def test_cpu_16bit_target_column_apart_edge_rows(case):
+def test_16bit_target_column_apart_edge_rows(case, device):
     # Every row ignored: loss 0 and zero gradients; one token: the gradients of the float64 reference.
     n = 1 if case == "one-token" else 9
     x, w, y, _ = _problem(n=n, h=16, v=150, dtype=torch.bfloat16, ignore_every=1 if case == "all-ignored" else 0)
-    xo, wo = x.clone().requires_grad_(), w.clone().requires_grad_()
+    xo, wo = x.to(device).requires_grad_(), w.to(device).requires_grad_()
     with _target_apart(True):
-        loss = hf_flce.fused_linear_cross_entropy(xo, wo, y, memory_budget=4096)
+        loss = hf_flce.fused_linear_cross_entropy(xo, wo, y.to(device), memory_budget=4096, backend="torch")
         loss.backward()
+    loss, dx, dw = loss.detach().cpu(), xo.grad.cpu(), wo.grad.cpu()
     if case == "all-ignored":
-        assert loss.item() == 0.0 and not xo.grad.any() and not wo.grad.any()
+        assert loss.item() == 0.0 and not dx.any() and not dw.any()
         return
     xr, wr = x.double().requires_grad_(), w.double().requires_grad_()
     ref, _ = reference_linear_cross_entropy(xr, wr, y)
     ref.backward()
     # the CPU's bf16 GEMM rounds the logits to bf16, as stock's does
     torch.testing.assert_close(loss.double(), ref.detach(), rtol=2e-3, atol=0.0)
-    torch.testing.assert_close(xo.grad.double(), xr.grad, rtol=1e-2, atol=1e-3)
-    torch.testing.assert_close(wo.grad.double(), wr.grad, rtol=1e-2, atol=1e-3)
+    torch.testing.assert_close(dx.double(), xr.grad, rtol=1e-2, atol=1e-3)
+    torch.testing.assert_close(dw.double(), wr.grad, rtol=1e-2, atol=1e-3)
 
 
+@pytest.mark.parametrize("device", TORCH_DEVICES)
 @pytest.mark.parametrize("rows_per_block", [3, 7, 2048])
 @pytest.mark.parametrize("layout", ["rows", "compacted", "float32-x", "hot"])
-def test_target_rows_are_added_once_in_float32(rows_per_block, layout):
+def test_target_rows_are_added_once_in_float32(rows_per_block, layout, device):
     # TargetApartGradient.add_target_rows: every target row of a 16-bit dW becomes dW[v] + sum_{y_i = v} c_i x_i,
     # summed in float32 and rounded once (within one bf16 rounding of the float64 value), across blocks of sorted rows
     # whose ends cut runs of one target; ignored rows add nothing, even with non-finite x; hot classes' terms go to
@@ -778,9 +788,13 @@ def test_target_rows_are_added_once_in_float32(rows_per_block, layout):
         slot = torch.full((v,), -1, dtype=torch.int32)
         slot[torch.tensor([4, 7])] = torch.tensor([0, 1], dtype=torch.int32)
         hot = (slot, torch.zeros(2, h))
-    out = dw.clone()
+    out = dw.to(device)
+    on_device = [None if t is None else t.to(device) for t in (x, x_rows, target, coef)]
+    hot_on_device = None if hot is None else tuple(t.to(device) for t in hot)
     with mock.patch.object(TargetApartGradient, "TARGET_ROWS_BLOCK", rows_per_block):
-        TargetApartGradient.add_target_rows(out, x, x_rows, target, coef, -100, None, hot, torch.bfloat16)
+        TargetApartGradient.add_target_rows(out, *on_device, -100, None, hot_on_device, torch.bfloat16)
+    out = out.cpu()
+    hot = None if hot is None else tuple(t.cpu() for t in hot_on_device)
 
     kept = target != -100
     terms = torch.zeros(v, h, dtype=torch.float64)
