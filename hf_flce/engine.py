@@ -284,11 +284,13 @@ def _target_column_apart() -> bool:
 
 
 def _dw_sum_in_weight_dtype(scaled: bool, weight: torch.Tensor) -> bool:
-    """Whether a scalar loss sums dW across its chunks in the 16-bit gradient itself (cuBLAS adding each chunk's
-    float32 product into it, rounding once per chunk) instead of a float32 ``[V, H]`` sum: ``4 V H`` bytes less (2 GiB
-    on llama3-8b's head) and half the sum's traffic (``docs/PERF_NOTES.md`` v46). That is done for a scaled gradient
-    (``_scaled_gradient``), whose target column stays out of the 16-bit sums and is added in float32 once per call
-    (``add_target_rows``): the sums then round only dW's softmax part. Against float64
+    """Whether a scalar loss sums dW across its chunks in the 16-bit gradient itself (a 16-bit ``addmm_`` per chunk:
+    on CPU the float32 product is added and rounded once; on an H100 cuBLAS rounds the product to 16 bits before it
+    adds it, with ``E`` transposed as here, ``docs/PERF_NOTES.md`` v58) instead of a float32 ``[V, H]`` sum: ``4 V H``
+    bytes less (2 GiB on llama3-8b's head) and half the sum's traffic (v46). That is done for a scaled gradient
+    (``_scaled_gradient``) or one with its target column apart (``_gradient_target_apart``), whose target column
+    stays out of the 16-bit sums and is added in float32 once per call (``add_target_rows``): the sums then round
+    only dW's softmax part. Against float64
     (``scripts/dw_accumulation_error.py``, V = 8192), dW's error equals the float32 sum's at up to 32 chunks with
     random targets, flat or peaked; with targets drawn from the softmax, as a trained model's, the softmax part
     carries more of dW, and the error goes from the float32 sum's 1.7e-3 to 2.0e-3 at 4 chunks, 2.2e-3 at 8 and

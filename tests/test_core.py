@@ -682,6 +682,22 @@ def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 TORCH_DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
+def _stock_grads(x, w, y, kw) -> tuple[torch.Tensor, torch.Tensor]:
+    """dX and dW as stock HF computes them: 16-bit logits from the 16-bit GEMM, the loss on them in float32, the
+    logits' gradient rounded to 16 bits, and one 16-bit GEMM each for dX and dW."""
+    xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+    z = F.linear(xs, ws).float()
+    if kw.get("softcap") is not None:
+        z = kw["softcap"] * torch.tanh(z / kw["softcap"])
+    z = z / kw.get("temperature", 1.0)
+    cw, eps = kw.get("class_weight"), kw.get("label_smoothing", 0.0)
+    loss = F.cross_entropy(z, y, weight=cw, label_smoothing=eps)
+    if kw.get("z_loss"):
+        loss = loss + kw["z_loss"] * torch.logsumexp(z[y != -100], dim=1).square().mean()
+    loss.backward()
+    return xs.grad, ws.grad
+
+
 @pytest.mark.parametrize("device", TORCH_DEVICES)
 @pytest.mark.parametrize("frequent", [0, 16], ids=["bf16-sum", "16-frequent-in-fp32"])
 @pytest.mark.parametrize("peaked", [False, True], ids=["flat", "peaked"])
@@ -690,17 +706,19 @@ def test_16bit_chunks_sum_dw_in_the_gradient_with_the_target_column_apart(names,
     # By default a bf16 scalar loss on the torch backend takes its gradient with the target column apart (its
     # forward_target_apart): dW is summed across chunks in the bf16 gradient itself, with no float32 [V, H] sum, and
     # each target row gets its float32 term once. The loss is the column-in path's (whose dW is summed in float32),
-    # and so is dX's error against float64. dW's is that path's too without options (the target terms are most of
-    # dW); where the softmax part carries more of it, the bf16 sum rounds it once per chunk (as on a GPU,
-    # docs/PERF_NOTES.md v46): at these 9 chunks 1.10x the float32 sum's error with smoothing and z-loss, 1.75x with
-    # softcap, temperature and class weights on peaked rows (3.7e-3, where torch's own bf16 cross-entropy has 6.4e-3).
+    # and so is dX's error against float64; dW's is within stock's (target 4). But for a softcap that the peaked rows
+    # saturate: there the target column's gradient is ~0 (tanh' at the cap), the softmax part is all of dW, and the
+    # bf16 sum rounds it once per chunk (twice on a CUDA GPU, where cuBLAS rounds a 16-bit addmm_'s product before
+    # adding it; docs/PERF_NOTES.md v58): at these 8-9 chunks 1.66x stock's error on CPU, 1.65x on an H100
+    # (HF_FLCE_DW_FP32_SUM=1 keeps the float32 sum).
     torch.manual_seed(6)
-    x, w, y, _ = _problem(n=1024, h=64, v=512, dtype=torch.bfloat16, ignore_every=7)
+    n, v = 1024, 4096
+    x, w, y, _ = _problem(n=n, h=64, v=v, dtype=torch.bfloat16, ignore_every=7)
     if peaked:
         x = (x.float() + 4.0 * w.float()[y.clamp(min=0)]).bfloat16()
     kw = {name: OPTIONS[name] for name in names if name != "class_weight"}
     if "class_weight" in names:
-        kw["class_weight"] = torch.rand(512) + 0.5
+        kw["class_weight"] = torch.rand(v) + 0.5
     leaves = (x.double().requires_grad_(), w.double().requires_grad_())
     ref, _ = reference_linear_cross_entropy(
         *leaves, y, **{k: v.double() if torch.is_tensor(v) else v for k, v in kw.items()}
@@ -708,15 +726,17 @@ def test_16bit_chunks_sum_dw_in_the_gradient_with_the_target_column_apart(names,
     ref.backward()
 
     kw = {k: v.to(device) if torch.is_tensor(v) else v for k, v in kw.items()}
+    x, w, y = x.to(device), w.to(device), y.to(device)
 
     def grads(apart: bool, budget: int | None):
-        xo, wo = x.to(device).requires_grad_(), w.to(device).requires_grad_()
+        xo, wo = x.clone().requires_grad_(), w.clone().requires_grad_()
         with _target_apart(apart), mock.patch.object(engine, "compute_logits", wraps=engine.compute_logits) as gemms:
-            loss = hf_flce.fused_linear_cross_entropy(xo, wo, y.to(device), memory_budget=budget, backend="torch", **kw)
+            loss = hf_flce.fused_linear_cross_entropy(xo, wo, y, memory_budget=budget, backend="torch", **kw)
             loss.backward()
         return loss.detach().cpu(), xo.grad.cpu(), wo.grad.cpu(), gemms.call_count
 
-    budget = 64 * 512 * 4
+    # about 110 rows per chunk: 8-9 chunks of bf16 logits on CPU, of float32 logits and the pass's scratch elsewhere
+    budget = 113 * v * (2 if device == "cpu" else 16)
     no_fp32_sum = mock.patch.object(engine, "dw_product", side_effect=AssertionError("a float32 dW sum"))
     apart_calls = mock.patch.object(
         TorchTileOps, "forward_target_apart", autospec=True, side_effect=TorchTileOps.forward_target_apart
@@ -725,15 +745,15 @@ def test_16bit_chunks_sum_dw_in_the_gradient_with_the_target_column_apart(names,
     with no_fp32_sum, apart_calls as apart, frequent_classes:
         new = grads(True, budget)
     assert new[3] >= 8 and apart.call_count == new[3]
-    old, single = grads(False, budget), grads(False, None)
+    old = grads(False, budget)
+    stock = _stock_grads(x, w, y, kw)
     torch.testing.assert_close(new[0], old[0], rtol=1e-6, atol=0.0)
-    for i, name in ((1, "dX"), (2, "dW")):
-        assert new[i].dtype == torch.bfloat16, name
-        err, bound = (
-            _rel_err(new[i], leaves[i - 1].grad),
-            max(_rel_err(old[i], leaves[i - 1].grad), _rel_err(single[i], leaves[i - 1].grad)),
-        )
-        assert err <= (1.02 if name == "dX" or not names else 2.0) * bound, (name, err, bound)
+    assert new[1].dtype == new[2].dtype == torch.bfloat16
+    dx_err, dw_err = _rel_err(new[1], leaves[0].grad), _rel_err(new[2], leaves[1].grad)
+    assert dx_err <= 1.05 * _rel_err(old[1], leaves[0].grad), dx_err
+    saturated = peaked and "softcap" in names
+    margin = 1.8 if saturated else 1.05
+    assert dw_err <= margin * _rel_err(stock[1].cpu(), leaves[1].grad), dw_err
 
 
 @pytest.mark.parametrize("device", TORCH_DEVICES)
@@ -742,7 +762,7 @@ def test_16bit_target_column_apart_edge_rows(case, device):
     # Every row ignored: loss 0 and zero gradients; one token: the gradients of the float64 reference.
     n = 1 if case == "one-token" else 9
     x, w, y, _ = _problem(n=n, h=16, v=150, dtype=torch.bfloat16, ignore_every=1 if case == "all-ignored" else 0)
-    xo, wo = x.to(device).requires_grad_(), w.to(device).requires_grad_()
+    xo, wo = x.clone().to(device).requires_grad_(), w.clone().to(device).requires_grad_()
     with _target_apart(True):
         loss = hf_flce.fused_linear_cross_entropy(xo, wo, y.to(device), memory_budget=4096, backend="torch")
         loss.backward()
@@ -788,9 +808,9 @@ def test_target_rows_are_added_once_in_float32(rows_per_block, layout, device):
         slot = torch.full((v,), -1, dtype=torch.int32)
         slot[torch.tensor([4, 7])] = torch.tensor([0, 1], dtype=torch.int32)
         hot = (slot, torch.zeros(2, h))
-    out = dw.to(device)
+    out = dw.clone().to(device)
     on_device = [None if t is None else t.to(device) for t in (x, x_rows, target, coef)]
-    hot_on_device = None if hot is None else tuple(t.to(device) for t in hot)
+    hot_on_device = None if hot is None else tuple(t.clone().to(device) for t in hot)
     with mock.patch.object(TargetApartGradient, "TARGET_ROWS_BLOCK", rows_per_block):
         TargetApartGradient.add_target_rows(out, *on_device, -100, None, hot_on_device, torch.bfloat16)
     out = out.cpu()
