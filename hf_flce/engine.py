@@ -284,18 +284,17 @@ def _target_column_apart() -> bool:
 
 
 def _dw_sum_in_weight_dtype(scaled: bool, weight: torch.Tensor) -> bool:
-    """Whether a scalar loss sums dW across its chunks in the 16-bit gradient itself (a 16-bit ``addmm_`` per chunk:
-    on CPU the float32 product is added and rounded once; on an H100 cuBLAS rounds the product to 16 bits before it
-    adds it, with ``E`` transposed as here, ``docs/PERF_NOTES.md`` v58) instead of a float32 ``[V, H]`` sum: ``4 V H``
-    bytes less (2 GiB on llama3-8b's head) and half the sum's traffic (v46). That is done for a scaled gradient
-    (``_scaled_gradient``) or one with its target column apart (``_gradient_target_apart``), whose target column
-    stays out of the 16-bit sums and is added in float32 once per call (``add_target_rows``): the sums then round
-    only dW's softmax part. Against float64
-    (``scripts/dw_accumulation_error.py``, V = 8192), dW's error equals the float32 sum's at up to 32 chunks with
-    random targets, flat or peaked; with targets drawn from the softmax, as a trained model's, the softmax part
-    carries more of dW, and the error goes from the float32 sum's 1.7e-3 to 2.0e-3 at 4 chunks, 2.2e-3 at 8 and
-    3.2e-3 at 32, against stock's 2.9e-3 (a bf16 sum with the target column in, Liger's: 2.9e-3, 3.7e-3, 6.3e-3).
-    From 8 chunks on the most frequent target classes' rows, which carry most of that, are summed in float32
+    """Whether a scalar loss sums dW across its chunks in the 16-bit gradient itself (a 16-bit ``addmm_`` per chunk: on
+    CPU the float32 product is added and rounded once; on an H100 cuBLAS rounds the product to 16 bits before it adds
+    it, with ``E`` transposed as here, ``docs/PERF_NOTES.md`` v58) instead of a float32 ``[V, H]`` sum: ``4 V H`` bytes
+    less (2 GiB on llama3-8b's head) and half the sum's traffic (v46). That is done for a scaled gradient
+    (``_scaled_gradient``) or one with its target column apart (``_gradient_target_apart``), whose target column stays
+    out of the 16-bit sums and is added in float32 once per call (``add_target_rows``): the sums then round only dW's
+    softmax part. Against float64 (``scripts/dw_accumulation_error.py``, V = 8192), dW's error equals the float32 sum's
+    at up to 32 chunks with random targets, flat or peaked; with targets drawn from the softmax, as a trained model's,
+    the softmax part carries more of dW, and the error goes from the float32 sum's 1.7e-3 to 2.0e-3 at 4 chunks, 2.2e-3
+    at 8 and 3.2e-3 at 32, against stock's 2.9e-3 (a bf16 sum with the target column in, Liger's: 2.9e-3, 3.7e-3,
+    6.3e-3). From 8 chunks on the most frequent target classes' rows, which carry most of that, are summed in float32
     (``_FrequentClassRows``: 2.0e-3 at 32 chunks). ``HF_FLCE_DW_FP32_SUM=1`` keeps the float32 sum."""
     return scaled and weight.dtype.itemsize == 2 and not env_flag("HF_FLCE_DW_FP32_SUM")
 
@@ -564,8 +563,9 @@ class _GradBuffers:
 
     def _add_scaled(self, start, end, grad, x_chunk):
         """A ``ScaledGradient`` (``backends/triton_scaled.py``; the torch backend's ``TargetApartGradient`` has unit
-        row scales): ``G = diag(s) E`` plus the target column (and with label smoothing the uniform term ``u``), so ``dX = s (E W) + c W[y] (+ u 1^T W)`` and ``dW = E^T (s X)`` (+
-        ``u^T X`` at every row, in the same GEMM) plus ``c x`` added at the target rows."""
+        row scales): ``G = diag(s) E`` plus the target column (and with label smoothing the uniform term ``u``), so
+        ``dX = s (E W) + c W[y] (+ u 1^T W)`` and ``dW = E^T (s X)`` (+ ``u^T X`` at every row, in the same GEMM) plus
+        ``c x`` added at the target rows."""
         if self.dx is not None:
             # E W in float32 ([rows, H]) is a temporary: not alive any more when the dW GEMM runs (the call's peak).
             # Where the GEMM has no float32 output (CPU) it is the 16-bit product upcast: an exact one would upcast W,
