@@ -300,17 +300,16 @@ def _dw_sum_in_weight_dtype(scaled: bool, weight: torch.Tensor) -> bool:
 
 
 def _gradient_target_apart(plan: CallPlan, fused, x: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether a scalar loss whose gradient is not a scaled one (``_scaled_gradient``) writes its 16-bit logits
-    gradient with each row's target column taken out and carried in float32, as the scaled gradient does: the
-    16-bit sums of dW then round only its softmax part, so they are kept in the gradient itself
-    (``_dw_sum_in_weight_dtype``), with no float32 ``[V, H]`` sum. On the tile path (the GEMM's logits and the tile
-    passes: GPUs before Hopper, class-weighted calls, the torch backend) the backend's ``forward_target_apart`` does
-    it (Triton's on bf16 in one sweep, as ``E`` and row scales, but for label smoothing with class weights:
-    ``TritonTileOps.one_sweep``); on the epilogue path (fp16 operands; bf16 ones with ``HF_FLCE_SCALED_GRAD=0``)
-    ``fused.gradient_target_apart``.
-    Not with a bias (its gradient would need the column too), nor for DFT on the tile path (whose pass writes the
-    gradient with the statistics, before DFT's per-row factor is known; the epilogue path's pass comes after it);
-    ``HF_FLCE_TARGET_APART=0`` keeps the column in."""
+    """Whether a scalar loss whose gradient is not a scaled one (``_scaled_gradient``) writes its 16-bit logits gradient
+    with each row's target column taken out and carried in float32, as the scaled gradient does: the 16-bit sums of dW
+    then round only its softmax part, so they are kept in the gradient itself (``_dw_sum_in_weight_dtype``), with no
+    float32 ``[V, H]`` sum. On the tile path (the GEMM's logits and the tile passes: GPUs before Hopper, class-weighted
+    calls, the torch backend) the backend's ``forward_target_apart`` does it (Triton's on bf16 in one sweep, as ``E``
+    and row scales, but for label smoothing with class weights: ``TritonTileOps.one_sweep``); on the epilogue path (fp16
+    operands; bf16 ones with ``HF_FLCE_SCALED_GRAD=0``) ``fused.gradient_target_apart``. Not with a bias (its gradient
+    would need the column too), nor for DFT on the tile path (whose pass writes the gradient with the statistics, before
+    DFT's per-row factor is known; the epilogue path's pass comes after it); ``HF_FLCE_TARGET_APART=0`` keeps the column
+    in."""
     backend, method = (plan.tiles, "forward_target_apart") if fused is None else (fused, "gradient_target_apart")
     return (
         bias is None
