@@ -314,6 +314,75 @@ def test_backward_over_a_vocabulary_chunk(small_ub):
         )
 
 
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("full", [False, True])
+def test_target_column_apart_matches_torch(small_ub, full, grad_dtype):
+    """``forward_target_apart``: the statistics and gradient of ``forward``, with each row's target column 0 in the
+    gradient and its value in float32 apart, as the torch backend gives them; ignored rows give 0 there too."""
+    v = 211
+    extra = dict(label_smoothing=0.2, z_loss=0.01, softcap=4.0, inv_temperature=1.3, class_weight=torch.rand(v) + 0.5)
+    params = _params(v, **(extra if full else {}))
+    logits = torch.randn(13, v) * 3
+    target = torch.randint(0, v, (13,))
+    target[::4] = -100
+    target[1], target[2], target[3] = 0, v - 1, 64  # first and last columns, a block's first
+    scale = torch.rand(13) + 0.5
+    results = []
+    for ops in (AscendTileOps(), TorchTileOps()):
+        grad = torch.empty(logits.shape, dtype=grad_dtype)
+        stats, apart = ops.forward_target_apart(logits.clone(), target, params, scale, grad)
+        assert apart.e is grad and apart.target_coef.dtype == torch.float32
+        results.append((stats, apart))
+    (got, got_apart), (want, want_apart) = results
+    for name in ("loss", "lse", "logprob", "entropy"):
+        torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=1e-5, atol=1e-5, msg=name)
+    tol = dict(rtol=1e-5, atol=1e-6) if grad_dtype == torch.float32 else dict(rtol=1e-2, atol=1e-5)
+    torch.testing.assert_close(got_apart.e, want_apart.e, **tol)
+    torch.testing.assert_close(got_apart.target_coef, want_apart.target_coef, rtol=1e-5, atol=1e-6)
+    kept = target != -100
+    assert not got_apart.e[kept].gather(1, target[kept, None]).any()
+    assert not got_apart.e[~kept].any() and not got_apart.target_coef[~kept].any()
+    full_grad = torch.empty_like(logits)
+    AscendTileOps().forward(logits.clone(), target, params, scale, full_grad)
+    at_target = full_grad[kept].gather(1, target[kept, None]).squeeze(1)
+    torch.testing.assert_close(got_apart.target_coef[kept], at_target, rtol=1e-6, atol=0.0)
+
+
+@pytest.mark.parametrize("names", [(), ("label_smoothing", "z_loss", "softcap", "temperature", "class_weight")])
+def test_bfloat16_chunks_sum_dw_in_the_gradient_with_the_target_column_apart(small_ub, names):
+    """A bf16 scalar loss in several chunks takes its gradient with the target column apart: dW is summed in the
+    bf16 gradient (no float32 ``[V, H]`` sum, no ``dw_product``), each target row's float32 term added once. Its
+    results are the torch backend's, which takes the same path, to within bf16 rounding."""
+    from unittest import mock
+
+    from hf_flce import engine
+
+    torch.manual_seed(3)
+    n, v = 96, 211
+    kw, _ = _option_kwargs(names, v)
+    x, w, y, _ = _problem(n, v)
+    x, w = x.bfloat16(), (w * 0.5).bfloat16()
+    results = {}
+    for backend in ("ascend", "torch"):
+        xo, wo = x.clone().requires_grad_(), w.clone().requires_grad_()
+        spy = mock.patch.object(
+            AscendTileOps, "forward_target_apart", autospec=True, side_effect=AscendTileOps.forward_target_apart
+        )
+        no_fp32_sum = mock.patch.object(engine, "dw_product", side_effect=AssertionError("a float32 dW sum"))
+        gemms = mock.patch.object(engine, "compute_logits", wraps=engine.compute_logits)
+        with spy as apart, no_fp32_sum, gemms as chunks:
+            loss = hf_flce.fused_linear_cross_entropy(xo, wo, y, backend=backend, memory_budget=12 * v * 8, **kw)
+            loss.backward()
+        if backend == "ascend":
+            assert chunks.call_count >= 4 and apart.call_count == chunks.call_count
+        results[backend] = (loss.detach(), xo.grad, wo.grad)
+    assert results["ascend"][2].dtype == torch.bfloat16
+    torch.testing.assert_close(results["ascend"][0], results["torch"][0], rtol=1e-5, atol=1e-6)
+    for got, want in zip(results["ascend"][1:], results["torch"][1:]):
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-3)
+        assert (got.float() - want.float()).norm() <= 1e-2 * want.float().norm()
+
+
 def test_is_top1_first_argmax_across_blocks(small_ub):
     v = 200
     logits = torch.zeros(4, v)
@@ -355,6 +424,13 @@ _NPU_SCRIPT = textwrap.dedent(
         torch.testing.assert_close(stats.entropy.cpu().double(), rs["entropy"].detach(), rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(xn.grad.cpu().double(), xr.grad, rtol=1e-3, atol=1e-4)
         torch.testing.assert_close(wn.grad.cpu().double(), wr.grad, rtol=1e-3, atol=1e-4)
+    # bf16 in four chunks: dW summed in the bf16 gradient, the target column apart
+    xb, wb = (t.bfloat16().to(dev).requires_grad_() for t in (x, w))
+    hf_flce.fused_linear_cross_entropy(xb, wb, y.to(dev), backend="ascend", memory_budget=56 * 32003 * 8).backward()
+    xr, wr = (t.bfloat16().double().requires_grad_() for t in (x, w))
+    hf_flce.reference_linear_cross_entropy(xr, wr, y)[0].backward()
+    for got, want in ((xb.grad, xr.grad), (wb.grad, wr.grad)):
+        assert got.dtype == torch.bfloat16 and ((got.cpu().double() - want).norm() / want.norm()).item() < 1e-2
     print("ok")
     """
 )

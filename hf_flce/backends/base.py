@@ -85,6 +85,10 @@ class TileOps(Protocol):
     # Optional: ``cpu_16bit_logits = True`` when on CPU the logits may be the 16-bit output of the GEMM itself (CPU
     # torch has no 16-bit GEMM with a float32 output, so a float32 copy would hold the same values), with ``grad_out``
     # then the logits themselves; the backend's scratch must not grow with the chunk there (it is not budgeted).
+    # Optional: ``forward_target_apart(logits, target, params, grad_scale, grad_out, x, weight)``, ``forward`` with
+    # the gradient's target column returned apart in float32, as a gradient object ``engine._GradBuffers`` takes
+    # (``triton_scaled.ScaledGradient``, ``torch_tiles.TargetApartGradient``): a 16-bit dW is then summed across
+    # chunks in the gradient itself (``engine._gradient_target_apart``).
     # Optional: ``fused_head``, a path that replaces the logits GEMM and these passes for calls it ``supports``:
     # ``forward`` (``keep_columns=``: e kept for the leading columns only, a multiple of ``COLUMN_ALIGN``),
     # ``gradient`` and ``recompute_gradient`` (``first_column=``: a vocabulary chunk of the head's rows; both take

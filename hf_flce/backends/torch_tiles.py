@@ -88,7 +88,23 @@ def _is_top1(t, row_max, target_logit, target, scratch) -> torch.Tensor:
     return hit
 
 
-class TorchTileOps:
+class TargetApartForward:
+    """``forward_target_apart`` for a tile backend whose ``forward`` takes ``target_coef``: the torch and Ascend ones
+    (Triton's writes ``E`` with row scales in one sweep instead)."""
+
+    def forward_target_apart(
+        self, logits, target, params, grad_scale, grad_out, x=None, weight=None
+    ) -> tuple[TileStats, TargetApartGradient]:
+        """``forward`` with the gradient's target column taken out of ``grad_out`` (0 there) and carried per row in
+        float32: a 16-bit ``grad_out`` then rounds only the softmax part, so dW can be summed across chunks in the
+        16-bit gradient itself (``engine._dw_sum_in_weight_dtype``) with no float32 ``[V, H]`` sum. ``x`` and
+        ``weight`` (the logits GEMM's operands) are not used."""
+        coef = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+        stats = self.forward(logits, target, params, grad_scale, grad_out, coef)
+        return stats, TargetApartGradient(grad_out, coef, target, params.ignore_index)
+
+
+class TorchTileOps(TargetApartForward):
     name = "torch"
     # Scratch per logit: on CPU none that grows with the chunk (three row-block buffers, a few MiB); elsewhere t
     # (or tanh), exp(t - max) and one temporary of the chunk's size.
@@ -136,17 +152,6 @@ class TorchTileOps:
                 scratch,
             )
         return stats
-
-    def forward_target_apart(
-        self, logits, target, params, grad_scale, grad_out, x=None, weight=None
-    ) -> tuple[TileStats, TargetApartGradient]:
-        """``forward`` with the gradient's target column taken out of ``grad_out`` (0 there) and carried per row in
-        float32: a 16-bit ``grad_out`` then rounds only the softmax part, so dW can be summed across chunks in the
-        16-bit gradient itself (``engine._dw_sum_in_weight_dtype``). ``x`` and ``weight`` (the logits GEMM's
-        operands) are not used: writing ``E`` with row scales in one sweep is the Triton backend's."""
-        coef = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
-        stats = self.forward(logits, target, params, grad_scale, grad_out, coef)
-        return stats, TargetApartGradient(grad_out, coef, target, params.ignore_index)
 
     def _forward_block(self, logits, target, params, grad_scale, grad_out, target_coef, stats, b, scratch) -> None:
         t_buf, tanh_buf, e_buf, tmp = scratch
@@ -278,11 +283,11 @@ class TorchTileOps:
 
 
 class TargetApartGradient:
-    """A chunk's logits gradient ``G`` with each row's target column apart (``TorchTileOps.forward_target_apart``):
-    ``e`` is ``G`` with 0 at that column, in 16 bits, and ``target_coef`` the column's value ``c`` in float32. dX is
-    ``E W + c W[y]`` and dW is ``E^T X`` plus ``c x`` at the target rows (``add_target_rows``, once per call): a 16-bit
-    dW summed across chunks then rounds only the softmax part. It is ``triton_scaled.ScaledGradient`` with unit row
-    scales, in torch ops, for ``engine._GradBuffers``."""
+    """A chunk's logits gradient ``G`` with each row's target column apart (``TargetApartForward``): ``e`` is ``G``
+    with 0 at that column, in 16 bits, and ``target_coef`` the column's value ``c`` in float32. dX is ``E W + c W[y]``
+    and dW is ``E^T X`` plus ``c x`` at the target rows (``add_target_rows``, once per call): a 16-bit dW summed
+    across chunks then rounds only the softmax part. It is ``triton_scaled.ScaledGradient`` with unit row scales, in
+    torch ops, for ``engine._GradBuffers``."""
 
     row_scale = None
     # dW's target rows are summed in float32 over this many sorted kept rows at a time

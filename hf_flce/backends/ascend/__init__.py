@@ -3,7 +3,8 @@
 The forward kernel writes the loss and statistics of each row; the backward kernel writes the logits gradient for
 the real upstream gradients (per row, so ``reduction="none"`` and the stats' gradients are exact). When the engine
 wants the gradient during forward (scalar loss), forward runs the backward kernel right after, with the upstream
-gradient of the loss set to ``grad_scale``.
+gradient of the loss set to ``grad_scale``; ``forward_target_apart`` has that kernel write the target column to a
+float32 row vector instead, so that a 16-bit dW can be summed across chunks in the gradient itself.
 
 Importing this package needs triton only; torch_npu is imported lazily, when an NPU tensor is seen. Without an NPU
 the kernels run on CPU tensors under ``TRITON_INTERPRET=1`` (how the tests check them).
@@ -16,6 +17,7 @@ import functools
 import torch
 
 from ..base import TileParams, TileStats, check_columns
+from ..torch_tiles import TargetApartForward
 from .tiling import plan_launch
 
 try:
@@ -50,7 +52,7 @@ def _device_memory(device: torch.device) -> int:
     return DEFAULT_DEVICE_MEMORY
 
 
-class AscendTileOps:
+class AscendTileOps(TargetApartForward):
     name = "ascend"
     # The kernels stream the logits block by block: nothing of size [rows, V] besides the logits (and grad_out).
     scratch_bytes_per_logit = 0
@@ -83,7 +85,10 @@ class AscendTileOps:
         params: TileParams,
         grad_scale: torch.Tensor | None = None,
         grad_out: torch.Tensor | None = None,
+        target_coef: torch.Tensor | None = None,
     ) -> TileStats:
+        """``TileOps.forward``; with ``target_coef`` ([rows] float32) the gradient's target column goes there and is
+        0 in ``grad_out`` (``forward_target_apart``)."""
         rows, vocab = logits.shape
         target = target.contiguous()
         stats = torch.empty((kernels.N_STATS, rows), dtype=torch.float32, device=logits.device)
@@ -110,7 +115,8 @@ class AscendTileOps:
             log_sum_sq_probs=stats[kernels.STAT_LSSP.value],
         )
         if grad_scale is not None:
-            self.backward(logits, target, result.lse, result.entropy, params, grad_scale, None, None, grad_out)
+            upstream = (grad_scale, None, None)
+            self.backward(logits, target, result.lse, result.entropy, params, *upstream, grad_out, 0, target_coef)
         return result
 
     def backward(
@@ -125,6 +131,7 @@ class AscendTileOps:
         grad_entropy: torch.Tensor | None,
         grad_out: torch.Tensor,
         first_column: int = 0,
+        target_coef: torch.Tensor | None = None,
     ) -> None:
         rows, n_cols = logits.shape
         check_columns(first_column, n_cols, params.vocab)
@@ -143,6 +150,7 @@ class AscendTileOps:
             grad_loss_ptr=logits if grads[0] is None else grads[0],
             grad_logprob_ptr=logits if grads[1] is None else grads[1],
             grad_entropy_ptr=logits if grads[2] is None else grads[2],
+            target_coef_ptr=logits if target_coef is None else target_coef,
             extra_rows=launch.extra_rows,
             rows_per_program=launch.rows_per_program,
             n_cols=n_cols,
@@ -150,6 +158,7 @@ class AscendTileOps:
             HAS_GRAD_LOSS=grads[0] is not None,
             HAS_GRAD_LOGPROB=grads[1] is not None,
             HAS_GRAD_ENTROPY=grads[2] is not None,
+            TARGET_COEF=target_coef is not None,
             BLOCK=launch.block,
             **self._common(params, logits),
         )

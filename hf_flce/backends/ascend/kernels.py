@@ -136,6 +136,7 @@ def backward_kernel(
     grad_loss_ptr,
     grad_logprob_ptr,
     grad_entropy_ptr,
+    target_coef_ptr,
     weight_ptr,
     weight_sum_ptr,
     rows_per_program,
@@ -151,6 +152,7 @@ def backward_kernel(
     HAS_GRAD_LOSS: tl.constexpr,
     HAS_GRAD_LOGPROB: tl.constexpr,
     HAS_GRAD_ENTROPY: tl.constexpr,
+    TARGET_COEF: tl.constexpr,
     SOFTCAP: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     SMOOTH: tl.constexpr,
@@ -161,7 +163,8 @@ def backward_kernel(
     ``dL/dt_j = p_j (c - g_H t_j) + k [j == y] - g eps / V w_j`` with the row constants ``c`` and ``k`` below
     (see ``backends/base.py``), times ``dt/dz``. Each block is read before it is written, so ``grad`` may alias
     ``logits``. A row holds ``n_cols`` logits, the vocabulary's from ``col_offset`` on (all ``vocab`` of them but in
-    a vocabulary chunk).
+    a vocabulary chunk). ``TARGET_COEF``: the target column's gradient goes to ``target_coef_ptr`` in float32 and is
+    written as 0, so that a 16-bit ``grad`` rounds only the softmax part (``AscendTileOps.forward_target_apart``).
     """
     pid = tl.program_id(0)
     row_start = pid * rows_per_program + tl.minimum(pid, extra_rows)
@@ -198,6 +201,7 @@ def backward_kernel(
         if HAS_GRAD_ENTROPY:
             g_h = tl.where(valid, tl.load(grad_entropy_ptr + row), 0.0)
             p_coef += g_h * (lse - tl.load(entropy_ptr + row))
+        target_coef = tl.zeros((), tl.float32)
         for start in range(0, n_cols, BLOCK):
             offs = start + cols
             mask = offs < n_cols
@@ -221,4 +225,10 @@ def backward_kernel(
             if SOFTCAP:
                 grad *= 1.0 - th * th
             grad = tl.where(valid, grad, 0.0)
+            if TARGET_COEF:
+                at_target = offs == y - col_offset
+                target_coef += tl.sum(tl.where(at_target & mask, grad, 0.0), 0)
+                grad = tl.where(at_target, 0.0, grad)
             tl.store(out_ptr + offs, grad.to(grad_ptr.dtype.element_ty), mask=mask)
+        if TARGET_COEF:
+            tl.store(target_coef_ptr + row, target_coef)
