@@ -455,6 +455,15 @@ class _FrequentClassRows:
         value = env_int(cls.COUNT_ENV)
         return cls.COUNT if value is None else value
 
+    @classmethod
+    def bytes_beside(cls, weight: torch.Tensor, used: bool) -> int:
+        """Bytes of the float32 rows beside the chunks of a call that would use them (``used``: its dW is summed in
+        the 16-bit gradient with its targets known per kept row, ``_GradBuffers(scaled_target=)``), at enough chunks."""
+        vocab, hidden = weight.shape
+        count = min(cls.count(), vocab)
+        # the float32 rows, and the per-class counts and slots (int32)
+        return 4 * count * hidden + 8 * vocab if used and count else 0
+
     def __init__(self, target: torch.Tensor, kept_only: bool, vocab: int, ignore_index: int, hidden: int, count: int):
         device = target.device
         if not kept_only:
@@ -665,14 +674,28 @@ def _accumulator_bytes(weight: torch.Tensor, need_dw: bool, in_weight_dtype: boo
     return weight.numel() * 4
 
 
-def _plan_rows(plan: CallPlan, n_rows: int, vocab: int, per_logit, accumulator: int, logits_16bit):
-    """Rows per chunk: the chunk buffers stay within the budget. A float32 dW accumulator (``_accumulator_bytes``)
+def _plan_rows(budget: int, n_rows: int, vocab: int, per_logit, accumulator: int, logits_16bit):
+    """Rows per chunk: the chunk buffers stay within ``budget``. A float32 dW accumulator (``_accumulator_bytes``)
     comes on top of it: it is 4 bytes per weight, and every extra chunk would cost a pass over it."""
-    chunk = plan_chunk_rows(n_rows, vocab, per_logit, plan.budget, accumulator)
+    chunk = plan_chunk_rows(n_rows, vocab, per_logit, budget, accumulator)
     if logits_16bit and accumulator and chunk < n_rows:
         # several chunks: dw_product upcasts each chunk's 16-bit gradient (CPU has no float32-output GEMM)
-        chunk = plan_chunk_rows(n_rows, vocab, per_logit + 4, plan.budget, accumulator)
+        chunk = plan_chunk_rows(n_rows, vocab, per_logit + 4, budget, accumulator)
     return chunk
+
+
+def _plan_rows_beside(plan: CallPlan, n_rows, vocab, per_logit, accumulator, logits_16bit, frequent_bytes: int):
+    """``_plan_rows`` within the call's budget, less ``frequent_bytes`` (``_FrequentClassRows.bytes_beside``) where
+    the plan takes enough chunks for those rows to be made: they live beside the chunks. They take at most half of
+    the budget: a budget under twice their bytes (33 MiB at llama3-8b's head) cannot be kept anyway, and the chunks
+    are not cut to slivers for it. What the rows themselves hold until the call's end (their statistics, the target
+    column's float32 value, the compaction's order and targets: under 64 bytes each) is not counted. Returns the rows
+    per chunk and the budget they were planned in."""
+    chunk = _plan_rows(plan.budget, n_rows, vocab, per_logit, accumulator, logits_16bit)
+    if not frequent_bytes or cdiv(n_rows, chunk) < _FrequentClassRows.MIN_CHUNKS:
+        return chunk, plan.budget
+    budget = max(plan.budget // 2, plan.budget - frequent_bytes)
+    return _plan_rows(budget, n_rows, vocab, per_logit, accumulator, logits_16bit), budget
 
 
 def _chunk_rows(x: torch.Tensor, rows: torch.Tensor | None, start: int, end: int, plan: CallPlan) -> torch.Tensor:
@@ -996,9 +1019,13 @@ def _forward(x, weight, bias, target, plan: CallPlan, needs_input_grad) -> tuple
     # saves, sizing it by every row would spend up to that accumulator more.
     tile_compaction = _tile_deferral(plan, fused, eager, x.device)
     deferred = False
+    frequent_bytes = _FrequentClassRows.bytes_beside(
+        weight, need_dw and dw_in_weight_dtype and (scaled or target_apart)
+    )
+    budget = plan.budget
     if (scaled or tile_compaction is not None) and n > 0 and _can_compact(x.device):
-        chunk = _plan_rows(plan, n, vocab, per_logit, accumulator, logits_16bit)
-        deferred = chunk * vocab * per_logit <= plan.budget
+        chunk, budget = _plan_rows_beside(plan, n, vocab, per_logit, accumulator, logits_16bit, frequent_bytes)
+        deferred = chunk * vocab * per_logit <= budget
     if deferred:
         compaction = _DeviceCompaction.start(fused or tile_compaction, target, vocab, ignore_index)
         rows, ys = compaction.order, compaction.targets
@@ -1006,7 +1033,7 @@ def _forward(x, weight, bias, target, plan: CallPlan, needs_input_grad) -> tuple
         rows, ys = kept_rows(target, vocab, ignore_index, _can_compact(x.device), fused or _compaction(plan, x.device))
     n_valid = ys.shape[0]
     if not deferred:
-        chunk = _plan_rows(plan, n_valid, vocab, per_logit, accumulator, logits_16bit)
+        chunk, budget = _plan_rows_beside(plan, n_valid, vocab, per_logit, accumulator, logits_16bit, frequent_bytes)
     n_chunks = max(1, cdiv(n_valid, chunk))
     keep_logits = (
         need_grad and not eager and n_valid > 0 and n_valid * vocab * kept_per_logit <= _keep_limit(plan, x.device)
@@ -1036,7 +1063,7 @@ def _forward(x, weight, bias, target, plan: CallPlan, needs_input_grad) -> tuple
         rest = max(0, n_kept - first)
         n_rest = 0
         if rest:
-            n_rest = cdiv(rest, plan_chunk_rows(rest, vocab, per_logit, plan.budget, balanced=False))
+            n_rest = cdiv(rest, plan_chunk_rows(rest, vocab, per_logit, budget, balanced=False))
             chunk = cdiv(rest, n_rest)
         n_chunks = 1 + n_rest
         return min(n_kept, first)
@@ -1264,7 +1291,7 @@ def _recompute_grads(
     else:
         per_logit = _bytes_per_logit(plan, plan.compute_dtype or x.dtype, logits_16bit)
     accumulator = _accumulator_bytes(weight, need_dw)
-    chunk = _plan_rows(plan, n_valid, weight.shape[0], per_logit, accumulator, logits_16bit)
+    chunk = _plan_rows(plan.budget, n_valid, weight.shape[0], per_logit, accumulator, logits_16bit)
     if kept is not None:
         chunk = max(n_valid, 1)
     n_chunks = max(1, cdiv(n_valid, chunk))

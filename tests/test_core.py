@@ -918,12 +918,33 @@ def test_chunk_plan_puts_the_float32_accumulator_beside_the_budget():
     assert engine._accumulator_bytes(weight, True, in_weight_dtype=True) == 0
     assert engine._accumulator_bytes(weight, False) == 0
     # 100 rows of 10 bytes: 1000 bytes, within the budget
-    assert engine._plan_rows(plan, 100, 10, 1.0, 0, False) == 100
+    assert engine._plan_rows(plan.budget, 100, 10, 1.0, 0, False) == 100
     # 2000 bytes without an accumulator: two balanced chunks
-    assert engine._plan_rows(plan, 200, 10, 1.0, 0, False) == 100
-    assert engine._plan_rows(plan, 250, 10, 1.0, 0, False) == 84
+    assert engine._plan_rows(plan.budget, 200, 10, 1.0, 0, False) == 100
+    assert engine._plan_rows(plan.budget, 250, 10, 1.0, 0, False) == 84
     # with a 1600-byte accumulator 2000 bytes take one chunk; 10000 bytes take chunks of the budget
-    assert engine._plan_rows(plan, 200, 10, 1.0, 1600, False) == 200
-    assert engine._plan_rows(plan, 1000, 10, 1.0, 1600, False) == 100
+    assert engine._plan_rows(plan.budget, 200, 10, 1.0, 1600, False) == 200
+    assert engine._plan_rows(plan.budget, 1000, 10, 1.0, 1600, False) == 100
     # 16-bit logits on CPU over several chunks: the float32 upcast of each chunk's gradient is budgeted (6 B/logit)
-    assert engine._plan_rows(plan, 1000, 10, 2.0, 1600, True) == 16
+    assert engine._plan_rows(plan.budget, 1000, 10, 2.0, 1600, True) == 16
+
+
+def test_chunk_plan_leaves_room_for_the_frequent_classes_rows():
+    # From _FrequentClassRows.MIN_CHUNKS chunks on, a call holds the frequent classes' float32 dW rows beside its
+    # chunks: the chunks get the budget less those, down to half of it.
+    plan = engine.CallPlan(resolve_backend("torch", "cpu"), None, "scalar", lambda: None, budget=10**7, grad_mode=True)
+    # one chunk, and 7 chunks: nothing is set aside
+    assert engine._plan_rows_beside(plan, 9000, 1000, 1.0, 0, False, 50_000) == (9000, 10**7)
+    assert engine._plan_rows_beside(plan, 70_000, 1000, 1.0, 0, False, 50_000) == (10_000, 10**7)
+    # 8 chunks and more: 50 kB set aside, so 80_000 rows take 9 chunks
+    chunk, budget = engine._plan_rows_beside(plan, 80_000, 1000, 1.0, 0, False, 50_000)
+    assert budget == 10**7 - 50_000 and chunk == engine.plan_chunk_rows(80_000, 1000, 1.0, budget) == 8889
+    assert engine._plan_rows_beside(plan, 80_000, 1000, 1.0, 0, False, 0) == (10_000, 10**7)
+    # at most half of the budget
+    assert engine._plan_rows_beside(plan, 80_000, 1000, 1.0, 0, False, 8 * 10**6) == (5000, 10**7 // 2)
+    weight = torch.empty(3000, 64, dtype=torch.bfloat16)
+    count = engine._FrequentClassRows.COUNT
+    assert engine._FrequentClassRows.bytes_beside(weight, True) == 4 * count * 64 + 8 * 3000
+    assert engine._FrequentClassRows.bytes_beside(weight, False) == 0
+    with mock.patch.dict(os.environ, {engine._FrequentClassRows.COUNT_ENV: "0"}):
+        assert engine._FrequentClassRows.bytes_beside(weight, True) == 0
