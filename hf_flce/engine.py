@@ -439,9 +439,10 @@ class _FrequentClassRows:
     16-bit sum's error: on qwen3-0.6b's head (H100, ``scripts/dw_accumulation_error.py --op``, targets drawn from the
     softmax) dW's error is 2.80e-3 at 20 chunks of 32768 rows and 4.48e-3 at 79, against stock's 2.57e-3 and the
     float32 sum's 1.74e-3; with the 1024 most frequent classes in float32, 1.83e-3 and 2.05e-3. ``COUNT`` classes cost
-    ``4 COUNT H`` bytes (16 MiB at H = 4096) and, per chunk, a gather of their ``E`` columns and a
-    ``[COUNT, rows] x [rows, H]`` GEMM: 0.4-2.3% of a call's time at 9-19 chunks, 4.8% at 19 chunks of ~400 rows,
-    where the GPU waits on the call's host work (``docs/PERF_NOTES.md`` v47)."""
+    ``4 COUNT H`` bytes (16 MiB at H = 4096, set aside from the chunks' budget: ``_plan_rows_beside``) and, per
+    chunk, a gather of their ``E`` columns and a ``[COUNT, rows] x [rows, H]`` GEMM: 0.4-2.3% of a call's time at 9-19
+    chunks, 4.8% at 19 chunks of ~400 rows, where the GPU waits on the call's host work (``docs/PERF_NOTES.md``
+    v47)."""
 
     COUNT = 1024
     COUNT_ENV = "HF_FLCE_DW_FREQUENT_CLASSES"  # another count; 0 keeps every row in the 16-bit sum
