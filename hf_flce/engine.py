@@ -460,10 +460,12 @@ class _FrequentClassRows:
     def bytes_beside(cls, weight: torch.Tensor, used: bool) -> int:
         """Bytes of the float32 rows beside the chunks of a call that would use them (``used``: its dW is summed in
         the 16-bit gradient with its targets known per kept row, ``_GradBuffers(scaled_target=)``), at enough chunks."""
+        if not used:
+            return 0
         vocab, hidden = weight.shape
         count = min(cls.count(), vocab)
         # the float32 rows, and the per-class counts and slots (int32)
-        return 4 * count * hidden + 8 * vocab if used and count else 0
+        return 4 * count * hidden + 8 * vocab if count else 0
 
     def __init__(self, target: torch.Tensor, kept_only: bool, vocab: int, ignore_index: int, hidden: int, count: int):
         device = target.device
@@ -1020,9 +1022,9 @@ def _forward(x, weight, bias, target, plan: CallPlan, needs_input_grad) -> tuple
     # saves, sizing it by every row would spend up to that accumulator more.
     tile_compaction = _tile_deferral(plan, fused, eager, x.device)
     deferred = False
-    frequent_bytes = _FrequentClassRows.bytes_beside(
-        weight, need_dw and dw_in_weight_dtype and (scaled or target_apart)
-    )
+    # dw_in_weight_dtype holds only for a scaled gradient or one with its target column apart, whose targets per kept
+    # row _GradBuffers takes
+    frequent_bytes = _FrequentClassRows.bytes_beside(weight, need_dw and dw_in_weight_dtype)
     budget = plan.budget
     if (scaled or tile_compaction is not None) and n > 0 and _can_compact(x.device):
         chunk, budget = _plan_rows_beside(plan, n, vocab, per_logit, accumulator, logits_16bit, frequent_bytes)

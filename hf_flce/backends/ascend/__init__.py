@@ -115,8 +115,10 @@ class AscendTileOps(TargetApartForward):
             log_sum_sq_probs=stats[kernels.STAT_LSSP.value],
         )
         if grad_scale is not None:
-            upstream = (grad_scale, None, None)
-            self.backward(logits, target, result.lse, result.entropy, params, *upstream, grad_out, 0, target_coef)
+            lse, entropy = result.lse, result.entropy
+            self.backward(
+                logits, target, lse, entropy, params, grad_scale, None, None, grad_out, target_coef=target_coef
+            )
         return result
 
     def backward(
