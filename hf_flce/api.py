@@ -46,9 +46,9 @@ def loss_denominator(valid_rows_weight, opts: FLCEOptions, num_items_in_batch, d
         den = valid_rows_weight
     else:
         return None
-    # Nothing to average over (every label ignored): the sum is 0 and so is the loss, not NaN. (den + (den == 0) is
-    # torch.where(den == 0, 1.0, den) in two launches instead of three: the scalar 1.0 would be a tensor filled first.)
-    return den + (den == 0)
+    # Nothing to average over (every label ignored, a zero num_items_in_batch, class weights 0 at every target): the
+    # loss and its gradients are 0, not NaN, and not an undivided sum either. Dividing by inf gives that.
+    return den.masked_fill(den == 0, float("inf"))
 
 
 # torch.compile runs the op eagerly (one graph break): its chunk loop sizes GEMMs from the data, which a traced graph

@@ -45,7 +45,7 @@ from .api import FLCEStats, fused_linear_cross_entropy, loss_denominator
 from .backends import cdiv
 from .backends.base import TileParams
 from .backends.torch_tiles import TorchTileOps
-from .engine import _chunks, _GradBuffers, _scatter_rows, compute_logits, kept_rows
+from .engine import _chunks, _GradBuffers, _scatter_rows, compute_logits, first_derivative_only, kept_rows
 from .options import FLCEOptions, check_num_items, check_tensors, stats_request
 
 try:
@@ -261,6 +261,7 @@ class _VocabParallelFunction(torch.autograd.Function):
         return outputs
 
     @staticmethod
+    @first_derivative_only
     def backward(ctx, g_loss, g_logp, g_ent, *unused):
         if not ctx.need_grad or (g_loss is None and g_logp is None and g_ent is None):
             return None, None, None, None, None

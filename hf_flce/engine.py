@@ -1194,6 +1194,23 @@ class SavedForWeightGrad:
         return _recompute_grads(*args, per_row, None, None, *needs)[1]
 
 
+def first_derivative_only(backward: Callable) -> Callable:
+    """An autograd Function's ``backward`` that refuses to build a graph of the gradient (``create_graph=True``).
+    The fused op's gradients are formed from saved tensors by kernels autograd does not record, so a gradient of
+    them would silently be 0 or partial."""
+
+    @functools.wraps(backward)
+    def wrapper(ctx, *grads):
+        if torch.is_grad_enabled() and any(ctx.needs_input_grad):
+            raise RuntimeError(
+                "hf_flce's fused linear cross-entropy has no second derivative: a backward with create_graph=True "
+                "through it is not supported (compute higher-order gradients with the unfused loss)"
+            )
+        return backward(ctx, *grads)
+
+    return wrapper
+
+
 class FusedLinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, target, plan: CallPlan):
@@ -1225,6 +1242,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         return outputs
 
     @staticmethod
+    @first_derivative_only
     def backward(ctx, g_loss, g_logp, g_ent, *unused):
         if not ctx.grad_enabled:
             return None, None, None, None, None

@@ -164,7 +164,7 @@ def check_tensors(
         if tuple(bias.shape) != (weight.shape[0],):
             raise ValueError(f"bias must have shape [V]=({weight.shape[0]},), got {tuple(bias.shape)}")
         if bias.dtype not in FLOAT_DTYPES:
-            raise TypeError(f"bias must be a float tensor, got {bias.dtype}")
+            raise TypeError(f"bias must be float32, bfloat16 or float16, got {bias.dtype}")
         devices["bias"] = bias.device
     if class_weight is not None:
         if not isinstance(class_weight, torch.Tensor):

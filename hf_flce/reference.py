@@ -4,7 +4,7 @@ It defines the semantics that every backend is tested against (in float64 by the
 ``F.cross_entropy(F.linear(hidden, weight, bias)`` with softcap, then temperature, applied to the logits, plus the
 z-loss term ``z_loss * lse**2`` on each non-ignored token. ``mean`` divides the summed loss by the summed class
 weight of the non-ignored targets (the token count without class weights), as ``F.cross_entropy`` does; when nothing
-is left to average over the loss is 0, not NaN.
+is left to average over (a denominator of 0) the loss is 0, not NaN.
 """
 
 from __future__ import annotations
@@ -88,5 +88,6 @@ def reference_linear_cross_entropy(
     else:
         weights = torch.ones_like(per_token) if cw is None else cw[safe_target]
         denominator = torch.where(valid, weights, zero).sum()
-    denominator = torch.where(denominator == 0, torch.ones_like(denominator), denominator)
+    # nothing to average over: the loss is 0 (the sum divided by inf), whatever the sum
+    denominator = torch.where(denominator == 0, torch.full_like(denominator, float("inf")), denominator)
     return total / denominator, stats

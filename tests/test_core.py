@@ -224,6 +224,55 @@ def test_all_ignored_gives_zero_loss_and_zero_grads(reduction):
     assert num.item() == 0
 
 
+# float32 on CPU (the torch backend); bf16 on a CUDA GPU, the default path there (the epilogue GEMM on Hopper)
+DEFAULT_PATHS = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _leaves(device: str, n: int = 24, h: int = 64, v: int = 300) -> tuple[torch.Tensor, torch.Tensor]:
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    x = torch.randn(n, h, device=device).to(dtype).requires_grad_()
+    w = (torch.randn(v, h, device=device) / h**0.5).to(dtype).requires_grad_()
+    return x, w
+
+
+@pytest.mark.parametrize("device", DEFAULT_PATHS)
+def test_zero_denominator_gives_zero_loss_and_grads(device):
+    """Nothing to average over gives 0, not NaN and not the undivided sum: a zero ``num_items_in_batch`` with kept
+    targets (stock: inf), class weights 0 at every target with label smoothing (stock: NaN)."""
+    x, w = _leaves(device)
+    y = torch.randint(0, 299, (24,), device=device)
+    only_last_class = torch.zeros(300, device=device)
+    only_last_class[299] = 1.0
+    calls = (
+        dict(num_items_in_batch=0),
+        dict(num_items_in_batch=torch.tensor(0, device=device)),
+        dict(class_weight=only_last_class, label_smoothing=0.2),
+    )
+    for options in calls:
+        x.grad = w.grad = None
+        loss = hf_flce.fused_linear_cross_entropy(x, w, y, **options)
+        want, _ = reference_linear_cross_entropy(x.double(), w.double(), y, **options)
+        assert loss.item() == 0 and want.item() == 0, options
+        loss.backward()
+        assert torch.all(x.grad == 0) and torch.all(w.grad == 0), options
+
+
+@pytest.mark.parametrize("device", DEFAULT_PATHS)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_a_graph_of_the_gradient_is_refused(reduction, device):
+    """The gradients are formed by kernels autograd does not record: ``create_graph=True`` raises rather than give a
+    second derivative of 0. A plain backward still works after it."""
+    x, w = _leaves(device)
+    y = torch.randint(0, 300, (24,), device=device)
+    loss = hf_flce.fused_linear_cross_entropy(x, w, y, reduction=reduction).sum()
+    with pytest.raises(RuntimeError, match="no second derivative.*create_graph=True"):
+        torch.autograd.grad(loss, x, create_graph=True, retain_graph=True)
+    (gx,) = torch.autograd.grad(loss, x)
+    stock = F.cross_entropy((x @ w.T).float(), y, reduction="mean" if reduction == "mean" else "sum")
+    tolerance = {} if device == "cpu" else dict(rtol=2e-2, atol=1e-3)  # bf16 against bf16 logits
+    torch.testing.assert_close(gx, torch.autograd.grad(stock, x)[0], **tolerance)
+
+
 def test_leading_shape_and_non_contiguous_hidden():
     base = torch.randn(3, 24, 9)
     x = base.transpose(1, 2)  # [3, 9, 24], non-contiguous

@@ -170,6 +170,13 @@ def test_all_ignored(reduction):
     assert not leaves[0].grad.abs().sum() and not leaves[1].grad.abs().sum()
 
 
+def test_zero_num_items_in_batch_gives_zero():
+    """A zero denominator with kept targets: loss and gradients 0 (stock: inf), on the tile path."""
+    hidden, weight, target, bias, opts = build(("smoothing",), n=12)
+    loss, _, leaves = check(hidden, weight, target, bias, num_items_in_batch=0, **opts)
+    assert loss.item() == 0 and not leaves[0].grad.abs().sum() and not leaves[1].grad.abs().sum()
+
+
 def test_zero_rows():
     hidden, weight, target, bias, opts = build(("z_loss",), n=0)
     loss, _, leaves = check(hidden, weight, target, bias, stat_grads=True, **opts)

@@ -146,6 +146,15 @@ def test_all_ignored(reduction):
     assert not leaves[0].grad.abs().sum() and not leaves[1].grad.abs().sum()
 
 
+def test_zero_num_items_in_batch_gives_zero(fused_calls):
+    """A zero denominator with kept targets: loss and gradients 0 (stock: inf), the scaled gradient's row scales 0."""
+    hidden, weight, target, bias, opts = build(("z_loss",), n=12)
+    h, w, b = half(hidden, weight, bias)
+    loss, _, leaves = check(h, w, target, b, num_items_in_batch=0, tol=TOL, grad_tol=GRAD_TOL, **opts)
+    assert loss.item() == 0 and not leaves[0].grad.abs().sum() and not leaves[1].grad.abs().sum()
+    assert fused_calls["forward"] == 1
+
+
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_without_compaction(reduction, fused_calls):
     # Under torch.compile or CUDA graph capture every row is processed: the kernels must zero the ignored ones.

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from ..distributed import DTensor, head_linear_cross_entropy, linear_of
-from ..engine import SavedForWeightGrad
+from ..engine import SavedForWeightGrad, first_derivative_only
 
 
 class LateHeadGrad:
@@ -95,6 +95,7 @@ class _HeadWeightAlias(torch.autograd.Function):
         return weight.view_as(weight)
 
     @staticmethod
+    @first_derivative_only
     def backward(ctx, _placeholder):
         return ctx.late.weight_grad(), None
 
