@@ -556,11 +556,11 @@ def test_deferred_head_grad_twice_frozen_and_sharded():
 
 
 def test_options_and_config_softcap_are_forwarded():
-    stock = make_model("LlamaForCausalLM")
+    stock = make_model("Gemma2ForCausalLM")
     stock.config.final_logit_softcapping = 3.0
     ids, labels = make_batch()
     options = dict(label_smoothing=0.1, z_loss=1e-3, backend="torch", memory_budget=4096)
-    patched = apply_flce_to_llama(copy.deepcopy(stock), **options)
+    patched = apply_flce_to_gemma(copy.deepcopy(stock), **options)
     loss = patched(input_ids=ids, labels=labels).loss
     hidden = stock.model(input_ids=ids).last_hidden_state.detach()
     options.pop("backend"), options.pop("memory_budget")
@@ -569,9 +569,35 @@ def test_options_and_config_softcap_are_forwarded():
     )
     torch.testing.assert_close(loss.double(), want, rtol=1e-5, atol=0)
     with pytest.raises(ValueError, match="backend"):
-        apply_flce_to_llama(patched, backend="cuda")
+        apply_flce_to_gemma(patched, backend="cuda")
     with pytest.raises(TypeError):
-        apply_flce_to_llama(patched, chunk_size=3)
+        apply_flce_to_gemma(patched, chunk_size=3)
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        dict(final_logit_softcapping=2.0),
+        dict(logit_scale=0.25),
+        dict(logits_scaling=4.0),
+        dict(output_multiplier=0.5),
+        dict(lm_head_multiplier=3.0),
+    ],
+    ids=lambda setting: next(iter(setting)),
+)
+def test_config_logit_transforms_only_where_stock_applies_them(setting):
+    """A class applies the logit transform its stock forward applies, whatever else its config holds: Llama's
+    ignores a softcap or scale its config carries, so the fused loss does too; Gemma 2 caps and Granite scales."""
+    stock = make_model("LlamaForCausalLM")
+    for name, value in setting.items():
+        setattr(stock.config, name, value)
+    patched = apply_flce(copy.deepcopy(stock))
+    ids, labels = make_batch()
+    assert_same_training(patched, stock, input_ids=ids, labels=labels)
+    for name in ("Gemma2ForCausalLM", "GraniteForCausalLM", "CohereForCausalLM"):
+        attributes = patch_forward.stock_logit_attributes(getattr(transformers, name).forward)
+        assert attributes and attributes <= patch_forward.LOGIT_ATTRIBUTES, name
+    assert patch_forward.stock_logit_attributes(transformers.LlamaForCausalLM.forward) == frozenset()
 
 
 def test_patched_forward_takes_the_in_model_budget(monkeypatch):
@@ -890,6 +916,134 @@ def test_instance_apply_twice_and_revert():
     assert "forward" not in patched.__dict__
     out = patched(input_ids=ids, labels=labels)
     torch.testing.assert_close(out.logits, stock(input_ids=ids, labels=labels).logits, rtol=0, atol=0)
+
+
+def test_instance_patch_survives_pickling_and_copies():
+    """``torch.save(model)`` of an instance-patched model loads fused, dense and vision-language alike (a bound
+    method would pickle by a name the model does not have), and so does a deep copy."""
+    import io
+
+    name = "Gemma3ForConditionalGeneration"
+    for model, batch in (
+        (make_model("LlamaForCausalLM"), dict(zip(("input_ids", "labels"), make_batch()))),
+        (make_vision_language_model(name).train(), image_batch(name)),
+    ):
+        want = apply_flce(model)(**batch)
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        buffer.seek(0)
+        for copied in (torch.load(buffer, weights_only=False), copy.deepcopy(model)):
+            assert copied.forward.__self__ is copied
+            out = copied(**batch)
+            assert out.logits is None
+            torch.testing.assert_close(out.loss, want.loss, rtol=0, atol=0)
+            assert inspect.signature(copied.forward) == inspect.signature(model.forward)
+            revert_flce(copied)
+            assert copied(**batch).logits is not None
+
+
+def test_instance_patch_refuses_a_subclass_that_overrides_forward():
+    """An instance patch would replace the subclass's forward: refused, with the class patch named, under which
+    the subclass's ``super().forward()`` reaches the fused forward."""
+
+    class Marked(transformers.LlamaForCausalLM):
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            out.loss = out.loss + 1000.0
+            return out
+
+    class Plain(transformers.LlamaForCausalLM):
+        pass
+
+    config = make_model("LlamaForCausalLM").config
+    with pytest.raises(ValueError, match=r"Marked overrides LlamaForCausalLM.forward.*apply_flce\(\) with no model"):
+        apply_flce(Marked(config))
+    ids, labels = make_batch()
+    torch.manual_seed(0)
+    stock = Marked(config).train()
+    apply_flce_to_llama()
+    try:
+        patched = copy.deepcopy(stock)
+        out = patched(input_ids=ids, labels=labels)
+        assert out.logits is None and out.loss > 1000
+        revert_flce()
+        torch.testing.assert_close(out.loss, stock(input_ids=ids, labels=labels).loss, rtol=1e-5, atol=0)
+        assert apply_flce(Plain(config))(input_ids=ids, labels=labels).logits is None
+    finally:
+        revert_flce()
+
+
+def test_stock_forward_where_the_loss_or_the_logits_are_the_users():
+    """A ``loss_function`` set on the model, or a forward hook on ``lm_head`` (which would get the logits), takes the
+    stock forward with one warning; the sharding engines' hooks do not count."""
+    patch_forward._warned.clear()
+    ids, labels = make_batch()
+    stock = make_model("LlamaForCausalLM")
+    patched = apply_flce(copy.deepcopy(stock))
+
+    def doubled(logits, labels, vocab_size, **kwargs):
+        return 2 * transformers.loss.loss_utils.ForCausalLMLoss(logits, labels, vocab_size, **kwargs)
+
+    for model in (stock, patched):
+        model.loss_function = doubled
+    with pytest.warns(UserWarning, match="loss_function"):
+        out = patched(input_ids=ids, labels=labels)
+    torch.testing.assert_close(out.loss, stock(input_ids=ids, labels=labels).loss, rtol=0, atol=0)
+    del stock._loss_function, patched._loss_function
+
+    def halved(module, inputs, output):
+        return output / 2
+
+    handles = [model.lm_head.register_forward_hook(halved) for model in (stock, patched)]
+    with pytest.warns(UserWarning, match="halved"):
+        out = patched(input_ids=ids, labels=labels)
+    assert out.logits is not None
+    torch.testing.assert_close(out.loss, stock(input_ids=ids, labels=labels).loss, rtol=0, atol=0)
+    for handle in handles:
+        handle.remove()
+    engine_hook = MethodType(lambda self, module, inputs, output: output, object())
+    engine_hook.__func__.__module__ = "torch.distributed.fsdp._fully_shard._fsdp_state"
+    patched.lm_head.register_forward_hook(engine_hook)
+    assert patched(input_ids=ids, labels=labels).logits is None
+
+
+def test_labels_with_a_trailing_axis_raise():
+    """Stock shifts labels along their last axis: ``[batch, seq, 1]`` labels would leave every position ignored."""
+    model = apply_flce(make_model("LlamaForCausalLM"))
+    ids, labels = make_batch()
+    with pytest.raises(ValueError, match=r"labels must be \[batch, sequence\].*\(2, 10, 1\)"):
+        model(input_ids=ids, labels=labels[..., None])
+
+
+def test_positional_arguments_bind_as_in_stock():
+    """GraniteMoe's stock forward has no ``use_cache``: its seventh argument is ``output_router_logits``, and so it
+    is in the fused forward, whose signature is stock's."""
+    stock = make_model("GraniteMoeForCausalLM")
+    patched = apply_flce(copy.deepcopy(stock))
+    assert inspect.signature(patched.forward) == inspect.signature(stock.forward)
+    ids, labels = make_batch()
+    positional = (ids, None, None, None, None, labels, True)
+    out, ref = patched(*positional), stock(*positional)
+    assert out.logits is None and out.aux_loss is not None
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=0)
+    torch.testing.assert_close(out.aux_loss, ref.aux_loss, rtol=1e-5, atol=0)
+
+
+def test_reverted_instance_follows_a_later_class_patch():
+    ids, labels = make_batch()
+    apply_flce_to_llama()
+    try:
+        reverted, other = make_model("LlamaForCausalLM"), make_model("LlamaForCausalLM")
+        revert_flce(reverted)
+        assert reverted(input_ids=ids, labels=labels).logits is not None
+        assert other(input_ids=ids, labels=labels).logits is None
+        revert_flce()
+        apply_flce_to_llama()
+        assert reverted(input_ids=ids, labels=labels).logits is None
+        revert_flce()
+        assert reverted(input_ids=ids, labels=labels).logits is not None
+    finally:
+        revert_flce()
 
 
 def test_unsupported_models_raise():

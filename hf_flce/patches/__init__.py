@@ -8,6 +8,7 @@ no model, the classes, so models created afterwards are fused. Patching touches 
 from __future__ import annotations
 
 import gc
+import inspect
 import warnings
 from dataclasses import replace
 from types import MethodType
@@ -22,8 +23,9 @@ from .forward import (
     PatchOptions,
     PatchState,
     causal_lm_forward,
+    forward_from_stock,
     moe_causal_lm_forward,
-    multimodal_forward,
+    stock_logit_attributes,
 )
 from .registry import (
     ALL_TARGETS,
@@ -235,7 +237,9 @@ def revert_flce(model: M | None = None) -> M | None:
         del base.__dict__["forward"]
     state = getattr(base, STATE_ATTR, None)  # the instance's, or the class patch's
     if state is not None and _routes_to_fused(base):
-        setattr(base, STATE_ATTR, replace(state, options=None))
+        # a class patch made later (or a class revert) reaches this instance again (``PatchState.opted_out_of``)
+        class_state = getattr(type(base), STATE_ATTR, None)
+        setattr(base, STATE_ATTR, replace(state, options=None, opted_out_of=class_state))
     else:
         base.__dict__.pop(STATE_ATTR, None)
     return model
@@ -259,14 +263,21 @@ def _apply(families: tuple[str, ...], model: M | None, options: PatchKwargs, cal
             + ("" if len(targets) == len(ALL_TARGETS) else f" (all families: {supported_classes()})")
         )
     cls, target = found
+    override = _forward_override(type(base), cls)
+    if override is not None:
+        raise ValueError(
+            f"{caller}: {type(base).__name__} overrides {cls.__name__}.forward (in {override.__qualname__}), which an "
+            f"instance patch would replace. Patch the classes instead ({caller}() with no model) before creating the "
+            "model, so that its super().forward() reaches the fused forward."
+        )
     fused = _fused_forward(target)
     current = base.__dict__.get("forward")
     if current is None or _func(current) is fused:
-        base.forward = MethodType(fused, base)
+        base.forward = InstanceForward(fused, base)
     elif _hooked_forward(base) in (stock_forward(cls), fused):
         # accelerate's hooks (``device_map`` dispatch, offload) call the bound method kept in ``_old_forward`` at each
         # call, inside whatever wraps them: replaced there, the hook still moves the inputs and the loss
-        base._old_forward = MethodType(fused, base)
+        base._old_forward = InstanceForward(fused, base)
     elif _func(base.__dict__.get("_original_forward")) is not fused:
         raise RuntimeError(
             f"{caller}: {type(base).__name__}.forward is already wrapped on this instance ({_describe(current)}, e.g. "
@@ -278,9 +289,23 @@ def _apply(families: tuple[str, ...], model: M | None, options: PatchKwargs, cal
 
 
 def _fused_forward(target: Target):
-    if target.from_stock_forward:
-        return multimodal_forward(stock_forward(load_class(target)))
-    return moe_causal_lm_forward if target.moe else causal_lm_forward
+    """The shared dense or MoE forward; one made from the stock forward where the class takes inputs of its own, or
+    where its stock forward orders its arguments otherwise (GraniteMoe's has no ``use_cache``), so that positional
+    calls mean what they mean in stock."""
+    stock = stock_forward(load_class(target))
+    shared = moe_causal_lm_forward if target.moe else causal_lm_forward
+    if target.from_stock_forward or _positional_names(stock) != _positional_names(shared):
+        return forward_from_stock(stock)
+    return shared
+
+
+def _positional_names(function) -> list[str]:
+    # transformers 5.24 renamed ``past_key_values`` to ``cache``, with the old name still taken as a keyword
+    return [
+        "cache" if p.name == "past_key_values" else p.name
+        for p in inspect.signature(function).parameters.values()
+        if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+    ]
 
 
 def _state(cls: type, target: Target, options: PatchOptions | None) -> PatchState:
@@ -289,7 +314,44 @@ def _state(cls: type, target: Target, options: PatchOptions | None) -> PatchStat
         stock_forward=stock_forward(cls),
         aux_loss=aux_loss_function(target),
         output_class=output_class(target),
+        logit_attributes=stock_logit_attributes(stock_forward(cls)),
     )
+
+
+class InstanceForward:
+    """A fused forward bound to one model, as ``MethodType(forward, model)`` would be, except that it pickles:
+    a bound method pickles as ``getattr(model, forward.__name__)``, which no model has, so ``torch.save(model)``
+    could not be loaded. This one pickles as its model and is bound again on load (:func:`_bound_fused_forward`)."""
+
+    def __init__(self, forward, model: nn.Module):
+        self.__func__ = forward
+        self.__self__ = model
+
+    def __call__(self, *args, **kwargs):
+        return self.__func__(self.__self__, *args, **kwargs)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(MethodType(self.__func__, self.__self__))
+
+    def __reduce__(self):
+        return _bound_fused_forward, (self.__self__,)
+
+
+def _bound_fused_forward(model: nn.Module) -> InstanceForward:
+    """The fused forward of ``model``'s class bound to it (unpickling an :class:`InstanceForward`; the model may
+    not have its attributes back yet, only its class)."""
+    return InstanceForward(_fused_forward(find_target(model)[1]), model)
+
+
+def _forward_override(kind: type, cls: type) -> type | None:
+    """The subclass of ``cls`` in ``kind``'s MRO that defines its own forward, if any."""
+    for klass in kind.__mro__:
+        if klass is cls:
+            return None
+        if "forward" in klass.__dict__:
+            return klass
+    return None
 
 
 def _func(method: object) -> object:

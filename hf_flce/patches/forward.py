@@ -4,7 +4,7 @@ In transformers 5.x the dense ``*ForCausalLM.forward`` bodies are identical acro
 the MoE ones; these functions reproduce them with the ``lm_head`` matmul and the loss replaced by
 :func:`hf_flce.fused_linear_cross_entropy`. A vision-language ``*ForConditionalGeneration`` has the dense body with
 its own inputs (pixel values, token types) passed to its ``model`` and its own output class: its fused forward is
-made from its stock one (:func:`multimodal_forward`). Whenever logits are needed (no labels, evaluation, an adapter on
+made from its stock one (:func:`forward_from_stock`). Whenever logits are needed (no labels, evaluation, an adapter on
 ``lm_head``) they call the class's stock forward instead, so those paths are stock by construction.
 """
 
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 from transformers.utils.generic import can_return_tuple
 
@@ -68,6 +69,12 @@ class PatchOptions:
         FLCEOptions(label_smoothing=self.label_smoothing, z_loss=self.z_loss, memory_budget=self.memory_budget)
 
 
+# The config attributes of a logit transform, the ones TRL's fused head reads
+LOGIT_ATTRIBUTES = frozenset(
+    ("logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling", "final_logit_softcapping")
+)
+
+
 @dataclass(frozen=True)
 class PatchState:
     """What a patched forward reads from its module: the options (``None`` once reverted) and the stock fallbacks."""
@@ -77,27 +84,59 @@ class PatchState:
     aux_loss: Callable | None = None
     # a vision-language class: its stock output class (the fused forward returns one, with the body's extra fields)
     output_class: type | None = None
+    # the config attributes of a logit transform that the stock forward applies (``stock_logit_attributes``)
+    logit_attributes: frozenset[str] = LOGIT_ATTRIBUTES
+    # an instance reverted under a class patch: that patch's state, which a later class patch or revert replaces
+    opted_out_of: PatchState | None = None
 
 
-def logit_transform(text_config) -> tuple[float, float | None]:
-    """``(scale, softcap)`` of the config's logit transform ``softcap * tanh(scale * z / softcap)``, read from the
-    same attributes TRL's fused head reads (``logit_scale``, ``output_multiplier``, ``lm_head_multiplier``,
-    ``logits_scaling``, ``final_logit_softcapping``)."""
-    scale = getattr(text_config, "logit_scale", None)
+def patch_state(module: nn.Module) -> PatchState:
+    """The patch state a fused forward reads: the instance's own (instance patch, or reverted under the class patch
+    still in place), else its class's."""
+    state = getattr(module, STATE_ATTR)
+    if state.opted_out_of is not None:
+        class_state = getattr(type(module), STATE_ATTR, None)
+        if class_state is not None and class_state is not state.opted_out_of:
+            return class_state
+    return state
+
+
+def stock_logit_attributes(stock: Callable) -> frozenset[str]:
+    """Which of :data:`LOGIT_ATTRIBUTES` the stock forward ``stock`` reads, from its source: a class applies only its
+    own transform (Gemma 2 its softcap, Granite its scaling, Command R its scale), whatever else its config holds.
+    Without the source, every one the config sets."""
+    try:
+        source = inspect.getsource(stock)
+    except (OSError, TypeError):
+        return LOGIT_ATTRIBUTES
+    return frozenset(name for name in LOGIT_ATTRIBUTES if name in source)
+
+
+def logit_transform(text_config, attributes: frozenset[str] = LOGIT_ATTRIBUTES) -> tuple[float, float | None]:
+    """``(scale, softcap)`` of the config's logit transform ``softcap * tanh(scale * z / softcap)``, read from
+    ``attributes`` (by default every one TRL's fused head reads: ``logit_scale``, ``output_multiplier``,
+    ``lm_head_multiplier``, ``logits_scaling``, ``final_logit_softcapping``)."""
+
+    def read(name: str):
+        return getattr(text_config, name, None) if name in attributes else None
+
+    scale = read("logit_scale")
     for name in ("output_multiplier", "lm_head_multiplier"):
         if scale is None:
-            scale = getattr(text_config, name, None)
-    scaling = getattr(text_config, "logits_scaling", None)
+            scale = read(name)
+    scaling = read("logits_scaling")
     if scale is None and scaling is not None:
         # Granite and MiniCPM3 divide by `logits_scaling`; HyperCLOVA X multiplies by it.
         scale = scaling if text_config.model_type == "hyperclovax" else 1 / scaling
-    return (1.0 if scale is None else float(scale)), getattr(text_config, "final_logit_softcapping", None)
+    return (1.0 if scale is None else float(scale)), read("final_logit_softcapping")
 
 
-def op_transform(text_config, temperature: float) -> tuple[float, float | None]:
+def op_transform(
+    text_config, temperature: float, attributes: frozenset[str] = LOGIT_ATTRIBUTES
+) -> tuple[float, float | None]:
     """The op's ``(temperature, softcap)`` equal to scaling by ``scale``, capping, then dividing by ``temperature``:
     ``c tanh(s z / c) / T = c' tanh(z / c') / T'`` with ``c' = c / s`` and ``T' = T / s`` for ``s > 0``."""
-    scale, softcap = logit_transform(text_config)
+    scale, softcap = logit_transform(text_config, attributes)
     if scale <= 0:
         raise NotImplementedError(f"hf_flce's fused head needs a positive logit scale, the config gives {scale}")
     return temperature / scale, (None if softcap is None else softcap / scale)
@@ -119,9 +158,27 @@ def _fusable(head: nn.Module) -> bool:
     return not (linear.weight.is_meta and getattr(linear, "_hf_hook", None) is None)
 
 
+# The modules whose forward hooks on ``lm_head`` take no logits: the sharding engines', which gather and free the
+# weight around the head's call (the fused loss runs as that call, ``head_linear_cross_entropy``)
+_ENGINE_HOOK_MODULES = ("torch.distributed.fsdp", "deepspeed")
+
+
+def _logit_hooks(head: nn.Module) -> list[str]:
+    """The forward hooks on ``head`` (or the linear map inside it) that would receive its logits, by name: the fused
+    path has none to give them."""
+    linear = linear_of(head)
+    hooks = []
+    for module in {id(m): m for m in (head, linear) if m is not None}.values():
+        for hook in module._forward_hooks.values():
+            function = getattr(hook, "__func__", getattr(hook, "func", hook))
+            if not getattr(function, "__module__", "").startswith(_ENGINE_HOOK_MODULES):
+                hooks.append(getattr(function, "__qualname__", type(hook).__name__))
+    return hooks
+
+
 def _fused_head(model: nn.Module, labels: torch.Tensor | None, skip_logits: bool | None) -> PatchOptions | None:
     """The patch options when this call takes the fused path, else ``None``."""
-    options = getattr(model, STATE_ATTR).options
+    options = patch_state(model).options
     if options is None or labels is None:
         return None
     if skip_logits is None:
@@ -135,6 +192,22 @@ def _fused_head(model: nn.Module, labels: torch.Tensor | None, skip_logits: bool
             f"{kind.__module__}.{name}",
             f"hf_flce: cannot fuse lm_head ({name}: an adapter on lm_head, a quantized layer or a weight not "
             "materialised here); using the stock forward, which materialises the logits.",
+        )
+        return None
+    loss_function = model.loss_function
+    if loss_function is not ForCausalLMLoss:
+        _warn_once(
+            f"loss_function {getattr(loss_function, '__qualname__', loss_function)!r}",
+            f"hf_flce: {type(model).__name__}.loss_function is {loss_function!r}, not transformers' causal-LM loss; "
+            "using the stock forward, which materialises the logits for it.",
+        )
+        return None
+    hooks = _logit_hooks(model.lm_head)
+    if hooks:
+        _warn_once(
+            f"lm_head hooks {hooks}",
+            f"hf_flce: lm_head has forward hooks that take its logits ({', '.join(hooks)}); using the stock forward, "
+            "which materialises them.",
         )
         return None
     return options
@@ -154,6 +227,9 @@ def _fused_loss(
     ignore_index = kwargs.get("ignore_index", -100)
     shift_labels = kwargs.get("shift_labels")
     if shift_labels is None:
+        if labels.dim() not in (1, 2):
+            # stock shifts along the last axis: a trailing axis of one would leave every position ignored
+            raise ValueError(f"labels must be [batch, sequence] (or flat), got shape {tuple(labels.shape)}")
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     hidden = hidden.reshape(-1, hidden.shape[-1])
     target = shift_labels.reshape(-1)
@@ -163,7 +239,8 @@ def _fused_loss(
             "they must match as in the stock loss"
         )
     # the logit scale (Granite, Command R) and softcap (Gemma 2) the stock forward applies
-    temperature, softcap = op_transform(model.config.get_text_config(), 1.0)
+    attributes = patch_state(model).logit_attributes
+    temperature, softcap = op_transform(model.config.get_text_config(), 1.0, attributes)
     op_options = dict(
         ignore_index=ignore_index,
         num_items_in_batch=kwargs.get("num_items_in_batch"),
@@ -197,7 +274,7 @@ def _forward(
     **kwargs,
 ):
     """The body of both forwards; an MoE call carries ``output_router_logits`` in ``kwargs``."""
-    state: PatchState = getattr(self, STATE_ATTR)
+    state = patch_state(self)
     options = _fused_head(self, labels, kwargs.pop("skip_logits", None))
     if CACHE in kwargs:
         if past_key_values is not None:
@@ -320,10 +397,11 @@ _BODY_ARGUMENTS = tuple(
 
 
 @functools.cache
-def multimodal_forward(stock: Callable) -> Callable:
-    """The fused forward of a vision-language class whose stock forward is ``stock``: the dense forward, with the
-    class's other inputs (``pixel_values``, ``token_type_ids``, ...) passed to its model and its output class. It has
-    ``stock``'s signature, which ``Trainer`` reads to keep the dataset columns the model takes."""
+def forward_from_stock(stock: Callable) -> Callable:
+    """The fused forward of a class whose stock forward is ``stock`` (a vision-language class, or one whose stock
+    forward orders its arguments otherwise): the shared body, with the class's other inputs (``pixel_values``,
+    ``token_type_ids``, ...) passed to its model and its output class. It has ``stock``'s signature, which
+    ``Trainer`` reads to keep the dataset columns the model takes, and by which positional arguments are bound."""
     signature = inspect.signature(stock)
     if "labels" not in signature.parameters:
         raise TypeError(f"{stock.__qualname__} takes no labels: not a causal vision-language forward")
