@@ -501,6 +501,25 @@ def test_sft_defer_head_grad(tokenizer, tmp_path, loss_type):
         FLCESFTTrainer(model=build_tiny_model(tokenizer), flce_defer_head_grad="yes")
 
 
+def test_bad_flce_options_raise_at_construction(tokenizer, tmp_path, monkeypatch):
+    """Named by their ``flce_`` names before any data is prepared, not at the first step's head call."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    for options, error, message in (
+        (dict(flce_backend="bogus"), ValueError, "flce_backend must be one of"),
+        (dict(flce_memory_budget=0), ValueError, "flce_memory_budget must be > 0"),
+        (dict(flce_memory_budget="1GiB"), TypeError, "flce_memory_budget must be an int"),
+    ):
+        with pytest.raises(error, match=message):
+            FLCESFTTrainer(model=build_tiny_model(tokenizer), **options)
+    data = load_toy_dataset("sft_chat", test_size=16)["train"].select(range(4))
+    args = _base_args(SFTConfig, tmp_path, use_cpu=True, eval_strategy="no")
+    with pytest.raises(ValueError, match="flce_backend='triton' for the policy model: backend='triton' runs on CUDA"):
+        FLCESFTTrainer(
+            model=build_tiny_model(tokenizer), args=args, train_dataset=data, processing_class=tokenizer,
+            flce_backend="triton",
+        )  # fmt: skip
+
+
 def test_sft_dft(tokenizer, tmp_path):
     _compare_sft(tokenizer, tmp_path, loss_type="dft")
 

@@ -8,6 +8,8 @@ import types
 
 from accelerate.utils import is_peft_model
 
+from ..backends import resolve_backend
+from ..options import BACKENDS, FLCEOptions
 from .head import flce_head_in_place_of_trl, has_flce_head
 
 _FLCE_OPTIONS = (
@@ -15,6 +17,16 @@ _FLCE_OPTIONS = (
     inspect.Parameter("flce_memory_budget", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=int | None),
     inspect.Parameter("flce_defer_head_grad", inspect.Parameter.KEYWORD_ONLY, default=False, annotation=bool),
 )
+
+
+def _check_options(backend: object, memory_budget: object) -> None:
+    """``flce_backend`` and ``flce_memory_budget`` checked at construction, not at the first step's head call."""
+    if backend not in BACKENDS:
+        raise ValueError(f"flce_backend must be one of {BACKENDS}, got {backend!r}")
+    try:
+        FLCEOptions(memory_budget=memory_budget)
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"flce_{error}") from None
 
 
 class FLCETrainerMixin:
@@ -36,6 +48,7 @@ class FLCETrainerMixin:
         flce_defer_head_grad: bool = False,
         **kwargs,
     ) -> None:
+        _check_options(flce_backend, flce_memory_budget)
         if not isinstance(flce_defer_head_grad, bool):
             raise TypeError(f"flce_defer_head_grad must be a bool, got {flce_defer_head_grad!r}")
         if flce_defer_head_grad and not self._scalar_head_loss:
@@ -57,6 +70,10 @@ class FLCETrainerMixin:
                     f"TRL did not install the fused LM head of the {name} through `add_fused_lm_head`, so hf_flce "
                     "could not replace it: this TRL version is not supported (hf_flce supports trl>=1.16,<1.17)"
                 )
+            try:
+                resolve_backend(flce_backend, model.device)
+            except ValueError as error:
+                raise ValueError(f"flce_backend={flce_backend!r} for the {name}: {error}") from None
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
