@@ -513,7 +513,7 @@ def test_bad_flce_options_raise_at_construction(tokenizer, tmp_path, monkeypatch
             FLCESFTTrainer(model=build_tiny_model(tokenizer), **options)
     data = load_toy_dataset("sft_chat", test_size=16)["train"].select(range(4))
     args = _base_args(SFTConfig, tmp_path, use_cpu=True, eval_strategy="no")
-    with pytest.raises(ValueError, match="flce_backend='triton' for the policy model: backend='triton' runs on CUDA"):
+    with pytest.raises(ValueError, match="flce_backend='triton' on cpu: backend='triton' runs on CUDA"):
         FLCESFTTrainer(
             model=build_tiny_model(tokenizer), args=args, train_dataset=data, processing_class=tokenizer,
             flce_backend="triton",

@@ -70,10 +70,11 @@ class FLCETrainerMixin:
                     f"TRL did not install the fused LM head of the {name} through `add_fused_lm_head`, so hf_flce "
                     "could not replace it: this TRL version is not supported (hf_flce supports trl>=1.16,<1.17)"
                 )
-            try:
-                resolve_backend(flce_backend, model.device)
-            except ValueError as error:
-                raise ValueError(f"flce_backend={flce_backend!r} for the {name}: {error}") from None
+        try:
+            # the device the steps run on: under FSDP or DeepSpeed the model is not there yet
+            resolve_backend(flce_backend, self.args.device)
+        except ValueError as error:
+            raise ValueError(f"flce_backend={flce_backend!r} on {self.args.device}: {error}") from None
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
