@@ -148,11 +148,10 @@ def _warn_once(key: str, message: str) -> None:
         warnings.warn(message, stacklevel=4)
 
 
-def _fusable(head: nn.Module) -> bool:
-    """Whether the fused loss can stand in for ``head``: a plain linear map (see :func:`hf_flce.distributed.linear_of`)
-    whose weight is real or made real by the engine's hooks around the head's call (FSDP1, FSDP2, ZeRO-3, accelerate's
-    offload hooks). A meta weight with no hook to load it is not."""
-    linear = linear_of(head)
+def _fusable(linear: nn.Linear | None) -> bool:
+    """Whether the fused loss can stand in for the head whose linear map is ``linear`` (see
+    :func:`hf_flce.distributed.linear_of`): one whose weight is real or made real by the engine's hooks around the
+    head's call (FSDP1, FSDP2, ZeRO-3, accelerate's offload hooks). A meta weight with no hook to load it is not."""
     if linear is None:
         return False
     return not (linear.weight.is_meta and getattr(linear, "_hf_hook", None) is None)
@@ -163,10 +162,9 @@ def _fusable(head: nn.Module) -> bool:
 _ENGINE_HOOK_MODULES = ("torch.distributed.fsdp", "deepspeed")
 
 
-def _logit_hooks(head: nn.Module) -> list[str]:
-    """The forward hooks on ``head`` (or the linear map inside it) that would receive its logits, by name: the fused
-    path has none to give them."""
-    linear = linear_of(head)
+def _logit_hooks(head: nn.Module, linear: nn.Linear) -> list[str]:
+    """The forward hooks on ``head`` (or ``linear``, the linear map inside it) that would receive its logits, by
+    name: the fused path has none to give them."""
     hooks = []
     for module in {id(m): m for m in (head, linear) if m is not None}.values():
         for hook in module._forward_hooks.values():
@@ -176,16 +174,19 @@ def _logit_hooks(head: nn.Module) -> list[str]:
     return hooks
 
 
-def _fused_head(model: nn.Module, labels: torch.Tensor | None, skip_logits: bool | None) -> PatchOptions | None:
+def _fused_head(
+    model: nn.Module, state: PatchState, labels: torch.Tensor | None, skip_logits: bool | None
+) -> PatchOptions | None:
     """The patch options when this call takes the fused path, else ``None``."""
-    options = patch_state(model).options
+    options = state.options
     if options is None or labels is None:
         return None
     if skip_logits is None:
         skip_logits = options.skip_logits
     if not (model.training if skip_logits is None else skip_logits):
         return None
-    if not _fusable(model.lm_head):
+    linear = linear_of(model.lm_head)
+    if not _fusable(linear):
         kind = type(model.lm_head)
         name = kind.__name__
         _warn_once(
@@ -202,7 +203,7 @@ def _fused_head(model: nn.Module, labels: torch.Tensor | None, skip_logits: bool
             "using the stock forward, which materialises the logits for it.",
         )
         return None
-    hooks = _logit_hooks(model.lm_head)
+    hooks = _logit_hooks(model.lm_head, linear)
     if hooks:
         _warn_once(
             f"lm_head hooks {hooks}",
@@ -215,6 +216,7 @@ def _fused_head(model: nn.Module, labels: torch.Tensor | None, skip_logits: bool
 
 def _fused_loss(
     model: nn.Module,
+    state: PatchState,
     hidden: torch.Tensor,
     labels: torch.Tensor,
     options: PatchOptions,
@@ -239,8 +241,7 @@ def _fused_loss(
             "they must match as in the stock loss"
         )
     # the logit scale (Granite, Command R) and softcap (Gemma 2) the stock forward applies
-    attributes = patch_state(model).logit_attributes
-    temperature, softcap = op_transform(model.config.get_text_config(), 1.0, attributes)
+    temperature, softcap = op_transform(model.config.get_text_config(), 1.0, state.logit_attributes)
     op_options = dict(
         ignore_index=ignore_index,
         num_items_in_batch=kwargs.get("num_items_in_batch"),
@@ -275,7 +276,7 @@ def _forward(
 ):
     """The body of both forwards; an MoE call carries ``output_router_logits`` in ``kwargs``."""
     state = patch_state(self)
-    options = _fused_head(self, labels, kwargs.pop("skip_logits", None))
+    options = _fused_head(self, state, labels, kwargs.pop("skip_logits", None))
     if CACHE in kwargs:
         if past_key_values is not None:
             raise ValueError(f"pass the cache as `{CACHE}` or as `past_key_values`, not both")
@@ -300,7 +301,7 @@ def _forward(
         kwargs[router_flag] = self.config.get_text_config().output_router_logits
     outputs = self.model(**inputs, **kwargs)
     hidden = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
-    loss = _fused_loss(self, hidden, labels, options, kwargs, late)
+    loss = _fused_loss(self, state, hidden, labels, options, kwargs, late)
     fields = {
         "logits": None,
         CACHE: getattr(outputs, CACHE),

@@ -9,7 +9,7 @@ import types
 from accelerate.utils import is_peft_model
 
 from ..backends import resolve_backend
-from ..options import BACKENDS, FLCEOptions
+from ..patches.forward import PatchOptions
 from .head import flce_head_in_place_of_trl, has_flce_head
 
 _FLCE_OPTIONS = (
@@ -19,12 +19,11 @@ _FLCE_OPTIONS = (
 )
 
 
-def _check_options(backend: object, memory_budget: object) -> None:
-    """``flce_backend`` and ``flce_memory_budget`` checked at construction, not at the first step's head call."""
-    if backend not in BACKENDS:
-        raise ValueError(f"flce_backend must be one of {BACKENDS}, got {backend!r}")
+def _check_options(**options) -> None:
+    """The ``flce_*`` options checked at construction as a patch's are (not at the first step's head call), and
+    named by their ``flce_`` names."""
     try:
-        FLCEOptions(memory_budget=memory_budget)
+        PatchOptions(**options)
     except (TypeError, ValueError) as error:
         raise type(error)(f"flce_{error}") from None
 
@@ -48,9 +47,7 @@ class FLCETrainerMixin:
         flce_defer_head_grad: bool = False,
         **kwargs,
     ) -> None:
-        _check_options(flce_backend, flce_memory_budget)
-        if not isinstance(flce_defer_head_grad, bool):
-            raise TypeError(f"flce_defer_head_grad must be a bool, got {flce_defer_head_grad!r}")
+        _check_options(backend=flce_backend, memory_budget=flce_memory_budget, defer_head_grad=flce_defer_head_grad)
         if flce_defer_head_grad and not self._scalar_head_loss:
             raise ValueError(
                 f"flce_defer_head_grad=True is for FLCESFTTrainer: {type(self).__name__}'s loss needs the head's "
