@@ -180,7 +180,10 @@ def make_model(name: str, dev: bc.Device, dtype: torch.dtype, seed: int):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     model_type, kwargs = MODELS[name]
-    config = AutoConfig.for_model(model_type, **kwargs)
+    # use_cache=False as in a Trainer run (``Trainer`` writes its ``args.use_cache``, default False, to the config) and
+    # as TRL's fused head passes it: otherwise the forwards that read the config (stock, Liger, the patched forward)
+    # would build a KV cache each step, copying every layer's keys and values, where TRL's does not.
+    config = AutoConfig.for_model(model_type, use_cache=False, **kwargs)
     torch.manual_seed(seed)
     with dev.torch_device:
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
