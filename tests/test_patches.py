@@ -1057,6 +1057,27 @@ def test_unsupported_models_raise():
         apply_flce(transformers.LlamaForSequenceClassification(config))
 
 
+def test_apply_flce_picks_the_family_from_the_class():
+    """A supported class under a model type of its own (a fine-tune's renamed config) is patched as its class; an
+    unsupported class whose config names a supported model type is refused."""
+
+    class RenamedConfig(transformers.LlamaConfig):
+        model_type = "renamed_llama"
+
+    torch.manual_seed(0)
+    stock = transformers.LlamaForCausalLM(RenamedConfig(**BASE)).train()
+    patched = apply_flce(copy.deepcopy(stock))
+    ids, labels = make_batch()
+    out = patched(input_ids=ids, labels=labels)
+    assert out.logits is None
+    torch.testing.assert_close(out.loss, stock(input_ids=ids, labels=labels).loss)
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=VOCAB))
+    gpt2.config.model_type = "llama"
+    with pytest.raises(ValueError, match=r"GPT2LMHeadModel is not supported \(model type 'llama'\)"):
+        apply_flce(gpt2)
+    assert "forward" not in gpt2.__dict__
+
+
 def test_state_dict_and_save_pretrained_unchanged(tmp_path):
     patched, stock = patched_pair("Qwen3ForCausalLM", tie=True)
     assert patched.state_dict().keys() == stock.state_dict().keys()

@@ -66,7 +66,7 @@ class PatchKwargs(TypedDict, total=False):
 
 
 def apply_flce(model: M | None = None, **options: Unpack[PatchKwargs]) -> M | None:
-    """Fuse ``lm_head`` and the loss of ``model``, picking its family from ``config.model_type``.
+    """Fuse ``lm_head`` and the loss of ``model``, whichever supported family its class (or a base class) is of.
 
     With no model, patch the classes of every family. Applying again only updates the options.
 
@@ -109,16 +109,7 @@ def apply_flce(model: M | None = None, **options: Unpack[PatchKwargs]) -> M | No
         >>> out.logits is None, out.loss.shape
         (True, torch.Size([]))
     """
-    if model is None:
-        return _apply(tuple(FAMILIES), None, options, "apply_flce")
-    model_type = getattr(getattr(_unwrap(model), "config", None), "model_type", None)
-    family = FAMILY_OF_MODEL_TYPE.get(model_type)
-    if family is None:
-        raise ValueError(
-            f"apply_flce: model_type {model_type!r} ({type(_unwrap(model)).__name__}) is not supported; supported "
-            f"model types: {', '.join(FAMILY_OF_MODEL_TYPE)} (classes: {supported_classes()})"
-        )
-    return _apply((family,), model, options, "apply_flce")
+    return _apply(tuple(FAMILIES), model, options, "apply_flce")
 
 
 def apply_flce_to_llama(model: M | None = None, **options: Unpack[PatchKwargs]) -> M | None:
@@ -258,9 +249,15 @@ def _apply(families: tuple[str, ...], model: M | None, options: PatchKwargs, cal
     base = _unwrap(model)
     found = find_target(base, targets)
     if found is None:
+        model_type = getattr(getattr(base, "config", None), "model_type", None)
         raise ValueError(
-            f"{caller}: {type(base).__name__} is not supported; supported classes: {supported_classes(targets)}"
-            + ("" if len(targets) == len(ALL_TARGETS) else f" (all families: {supported_classes()})")
+            f"{caller}: {type(base).__name__} is not supported (model type {model_type!r}); supported classes: "
+            f"{supported_classes(targets)}"
+            + (
+                f" (model types: {', '.join(FAMILY_OF_MODEL_TYPE)})"
+                if len(targets) == len(ALL_TARGETS)
+                else f" (all families: {supported_classes()})"
+            )
         )
     cls, target = found
     override = _forward_override(type(base), cls)
