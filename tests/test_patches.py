@@ -425,7 +425,8 @@ def test_moe_without_aux_loss_returns_the_stock_output(name):
     patched, stock = patched_pair(name)
     ids, labels = make_batch()
     out, ref = assert_same_training(patched, stock, input_ids=ids, labels=labels)
-    assert type(out) is type(ref) and set(out.keys()) == set(ref.keys()) - {"logits"}
+    # no logits, and no KV cache unless asked (test_fused_call_builds_a_cache_only_when_asked)
+    assert type(out) is type(ref) and set(out.keys()) == set(ref.keys()) - {"logits", patch_forward.CACHE}
     for got, want in zip(getattr(out, "router_logits", None) or (), getattr(ref, "router_logits", None) or ()):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
@@ -1382,6 +1383,28 @@ def test_patch_after_accelerate_dispatch(name):
 
 def test_lazy_exports():
     assert hf_flce.apply_flce is apply_flce and hf_flce.revert_flce is revert_flce
+
+
+@pytest.mark.parametrize("name", ["LlamaForCausalLM", "MixtralForCausalLM", "Qwen3NextForCausalLM"])
+def test_fused_call_builds_a_cache_only_when_asked(name):
+    """Stock builds a KV cache from ``config.use_cache`` (True here), which a fused call, returning no logits, could
+    not continue a generation from: it builds one only with ``use_cache=True`` or a cache passed in, and then returns
+    stock's. The loss and gradients are stock's either way."""
+    patched, stock = patched_pair(name)
+    assert patched.config.use_cache and stock.config.use_cache
+    name_ = patch_forward.CACHE
+    ids, labels = make_batch()
+    out, ref = assert_same_training(patched, stock, input_ids=ids, labels=labels)
+    assert getattr(out, name_) is None and getattr(ref, name_) is not None
+    out, ref = assert_same_training(patched, stock, input_ids=ids, labels=labels, use_cache=True)
+    assert getattr(out, name_).get_seq_length() == getattr(ref, name_).get_seq_length() == ids.shape[1]
+    prefix = [model(input_ids=ids[:, :6], use_cache=True) for model in (patched, stock)]
+    outs = [
+        model(input_ids=ids[:, 6:], labels=labels[:, 6:], **{name_: getattr(first, name_)})
+        for model, first in zip((patched, stock), prefix)
+    ]
+    torch.testing.assert_close(outs[0].loss, outs[1].loss, rtol=1e-5, atol=1e-5)
+    assert getattr(outs[0], name_).get_seq_length() == getattr(outs[1], name_).get_seq_length() == ids.shape[1]
 
 
 def test_cache_under_the_installed_name():
