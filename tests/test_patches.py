@@ -1393,19 +1393,20 @@ def test_fused_call_builds_a_cache_only_when_asked(name):
     stock's. The loss and gradients are stock's either way."""
     patched, stock = patched_pair(name)
     assert patched.config.use_cache and stock.config.use_cache
-    name_ = patch_forward.CACHE
+    cache_name = patch_forward.CACHE
     ids, labels = make_batch()
     out, ref = assert_same_training(patched, stock, input_ids=ids, labels=labels)
-    assert getattr(out, name_) is None and getattr(ref, name_) is not None
+    assert getattr(out, cache_name) is None and getattr(ref, cache_name) is not None
     out, ref = assert_same_training(patched, stock, input_ids=ids, labels=labels, use_cache=True)
-    assert getattr(out, name_).get_seq_length() == getattr(ref, name_).get_seq_length() == ids.shape[1]
+    assert getattr(out, cache_name).get_seq_length() == getattr(ref, cache_name).get_seq_length() == ids.shape[1]
     prefix = [model(input_ids=ids[:, :6], use_cache=True) for model in (patched, stock)]
     outs = [
-        model(input_ids=ids[:, 6:], labels=labels[:, 6:], **{name_: getattr(first, name_)})
+        model(input_ids=ids[:, 6:], labels=labels[:, 6:], **{cache_name: getattr(first, cache_name)})
         for model, first in zip((patched, stock), prefix)
     ]
     torch.testing.assert_close(outs[0].loss, outs[1].loss, rtol=1e-5, atol=1e-5)
-    assert getattr(outs[0], name_).get_seq_length() == getattr(outs[1], name_).get_seq_length() == ids.shape[1]
+    lengths = [getattr(out, cache_name).get_seq_length() for out in outs]
+    assert lengths == [ids.shape[1]] * 2
 
 
 def test_cache_under_the_installed_name():

@@ -292,9 +292,9 @@ def _forward(
     if options is None:
         return state.stock_forward(self, **inputs, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
     if use_cache is None and past_key_values is None:
-        # Stock builds a KV cache from ``config.use_cache`` (True in most configs), copying every layer's keys and values.
-        # With no logits returned it could not continue a generation, so the fused call builds one only when asked,
-        # as a ``Trainer`` run (``args.use_cache=False``) and TRL's fused head (``use_cache=False``) have it anyway.
+        # Stock builds a KV cache from ``config.use_cache`` (True in most configs), copying every layer's keys and
+        # values. With no logits returned it could not continue a generation, so the fused call builds one only when
+        # asked, as a ``Trainer`` run (``args.use_cache=False``) and TRL's fused head (``use_cache=False``) have it.
         inputs["use_cache"] = False
     late = LateHeadGrad.start(self.lm_head) if options.defer_head_grad else None  # before the layers' autograd nodes
     if state.output_class is not None and _takes(type(self.model).forward, "labels"):
