@@ -306,12 +306,13 @@ def _positional_names(function) -> list[str]:
 
 
 def _state(cls: type, target: Target, options: PatchOptions | None) -> PatchState:
+    stock = stock_forward(cls)
     return PatchState(
         options=options,
-        stock_forward=stock_forward(cls),
+        stock_forward=stock,
         aux_loss=aux_loss_function(target),
         output_class=output_class(target),
-        logit_attributes=stock_logit_attributes(stock_forward(cls)),
+        logit_attributes=stock_logit_attributes(stock),
     )
 
 
