@@ -1184,6 +1184,10 @@ class SavedForWeightGrad:
     row_prob: torch.Tensor | None
     plan: CallPlan
 
+    def tensors(self) -> tuple[torch.Tensor | None, ...]:
+        """Every field but the plan, in order, for ``ctx.save_for_backward``."""
+        return tuple(getattr(self, f.name) for f in fields(self) if f.name != "plan")
+
     def weight_grad(self, g_loss: torch.Tensor, memory_budget: int | None = None) -> torch.Tensor:
         """dW of the loss times its upstream gradient ``g_loss`` (0-d), within ``memory_budget`` bytes of logits (by
         default the forward's)."""

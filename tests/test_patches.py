@@ -15,6 +15,7 @@ import pytest
 import torch
 import transformers
 from convergence_utils import parameter_distance
+from torch.multiprocessing.reductions import StorageWeakRef
 from transformers.utils import find_labels
 
 import hf_flce
@@ -521,7 +522,8 @@ def test_deferred_head_grad_with_a_head_bias():
 def test_deferred_head_grad_twice_frozen_and_sharded():
     """A second backward (``retain_graph``) adds the same dW again, and the saved hidden states go with the graph (no
     reference cycle for the garbage collector); a frozen head defers nothing; a weight that a sharding engine manages
-    (ZeRO-3 marks it with ``ds_id``) is refused with a ValueError, as is a non-bool option."""
+    (ZeRO-3 marks it with ``ds_id``), or a plain tensor in its place, is refused with a ValueError that says which,
+    as is a non-bool option."""
     ids, labels = make_batch()
     patched, stock = patched_pair("LlamaForCausalLM", defer_head_grad=True)
     started = []
@@ -549,11 +551,35 @@ def test_deferred_head_grad_twice_frozen_and_sharded():
         model.lm_head.weight.requires_grad_(False)
     assert_same_training(patched, stock, input_ids=ids, labels=labels)
     patched.lm_head.weight.requires_grad_(True)
+    plain = {"lm_head.weight": patched.lm_head.weight.detach().clone().requires_grad_()}
+    with pytest.raises(ValueError, match="needs lm_head's weight whole .* but it is a plain tensor here"):
+        torch.func.functional_call(patched, plain, kwargs=dict(input_ids=ids, labels=labels))
     patched.lm_head.weight.ds_id = 0
-    with pytest.raises(ValueError, match="defer_head_grad=True needs lm_head's weight whole"):
+    with pytest.raises(ValueError, match="needs lm_head's weight whole .* but DeepSpeed ZeRO-3 partitions it"):
         patched(input_ids=ids, labels=labels)
     with pytest.raises(TypeError, match="defer_head_grad must be a bool"):
         apply_flce(make_model("LlamaForCausalLM"), defer_head_grad="yes")
+
+
+@pytest.mark.parametrize("defer", [False, True], ids=["", "defer_head_grad"])
+def test_backward_frees_the_hidden_states_of_a_kept_loss(defer):
+    """After ``loss.backward()`` the final hidden states are freed, as stock frees them, though the caller keeps the
+    loss (a loop that logs it later): the deferred dW takes them through autograd's saved tensors, not through an
+    object that the graph, and so the kept loss, holds."""
+    patched, _ = patched_pair("LlamaForCausalLM", defer_head_grad=defer)
+    ids, labels = make_batch()
+    storages = []
+    patched.model.norm.register_forward_hook(lambda _m, _i, out: storages.append(StorageWeakRef(out.untyped_storage())))
+    kept = []
+    gc.disable()
+    try:
+        for _ in range(2):
+            loss = patched(input_ids=ids, labels=labels).loss
+            loss.backward()
+            kept.append(loss)
+        assert len(storages) == 2 and all(storage.expired() for storage in storages)
+    finally:
+        gc.enable()
 
 
 def test_options_and_config_softcap_are_forwarded():

@@ -42,17 +42,12 @@ class LateHeadGrad:
         weight = None if linear is None else linear.weight
         if weight is None or not weight.requires_grad or not torch.is_grad_enabled():
             return None
-        if (
-            not isinstance(weight, nn.Parameter)
-            or getattr(weight, "_fsdp_flattened", False)
-            or hasattr(weight, "ds_id")
-            or isinstance(weight, DTensor)
-            or getattr(linear, "_hf_hook", None) is not None
-        ):
+        reason = _not_whole(linear, weight)
+        if reason is not None:
             raise ValueError(
                 "defer_head_grad=True needs lm_head's weight whole on this device from the forward to the end of the "
-                "backward (one GPU, DDP, or FSDP2 with lm_head in the root unit); FSDP2 with lm_head as its own unit, "
-                "FSDP1, DeepSpeed ZeRO-3 and accelerate's offload shard or move it in between"
+                f"backward (one GPU, DDP, or FSDP2 with lm_head in the root unit), but {reason}; use "
+                "defer_head_grad=False"
             )
         return cls(weight)
 
@@ -84,8 +79,26 @@ class LateHeadGrad:
         """dW of the loss times its upstream gradient (the alias's backward), from what the loss's forward saved, in
         the weight's dtype (an upcast head computes it in float32)."""
         grad = self.saved.weight_grad(self.upstream, self.budget).to(self.weight.dtype)
-        self.upstream = None
+        self.upstream = self.saved = None
         return grad
+
+
+def _not_whole(linear: nn.Module, weight: torch.Tensor) -> str | None:
+    """Why ``weight`` may not be the whole weight from the forward to the end of the backward, or None."""
+    if isinstance(weight, DTensor):
+        return "it is a DTensor here (FSDP2 with lm_head as its own unit, or tensor parallelism)"
+    if getattr(weight, "_fsdp_flattened", False):
+        return "FSDP1 flattened it"
+    if hasattr(weight, "ds_id"):
+        return "DeepSpeed ZeRO-3 partitions it"
+    if getattr(linear, "_hf_hook", None) is not None:
+        return "accelerate's hooks move it (offload or a device map)"
+    if not isinstance(weight, nn.Parameter):
+        return (
+            "it is a plain tensor here, not an nn.Parameter (FSDP1's view of its flat parameter, or a weight given by "
+            "torch.func.functional_call or a parametrization), which this option cannot tell apart"
+        )
+    return None
 
 
 class _HeadWeightAlias(torch.autograd.Function):
@@ -107,6 +120,13 @@ class _TieHeadGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, loss: torch.Tensor, alias: torch.Tensor, late: LateHeadGrad) -> torch.Tensor:
         ctx.late, ctx.shape, ctx.dtype = late, alias.shape, alias.dtype
+        # What dW needs (the hidden states, each row's lse) goes through autograd's saved tensors, not through
+        # ``late``, which the graph holds: autograd frees them after the backward (or keeps them under retain_graph)
+        # where ``late`` would keep them as long as a caller keeps the loss.
+        saved, late.saved = late.saved, None
+        ctx.weight_grad_plan = None if saved is None else saved.plan
+        if saved is not None:
+            ctx.save_for_backward(*saved.tensors())
         # a copy, not a view: callers scale the loss in place (HF Trainer's ``loss *= ...``), which autograd forbids
         # on a view made inside a custom Function
         return loss.clone()
@@ -114,4 +134,6 @@ class _TieHeadGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         ctx.late.upstream = grad
+        if ctx.weight_grad_plan is not None:
+            ctx.late.saved = SavedForWeightGrad(*ctx.saved_tensors, plan=ctx.weight_grad_plan)
         return grad, grad.new_zeros((), dtype=ctx.dtype).expand(ctx.shape), None
