@@ -263,12 +263,14 @@ class _VocabParallelFunction(torch.autograd.Function):
     @staticmethod
     @first_derivative_only
     def backward(ctx, g_loss, g_logp, g_ent, *unused):
-        if not ctx.need_grad or (g_loss is None and g_logp is None and g_ent is None):
+        if not ctx.need_grad:
+            return None, None, None, None, None
+        kept, ctx.kept = ctx.kept, None
+        eager_grads, ctx.eager_grads = ctx.eager_grads, None
+        if g_loss is None and g_logp is None and g_ent is None:
             return None, None, None, None, None
         x, weight, bias, rows, y_local, owned, lse, entropy = ctx.saved_tensors
         plan = ctx.plan
-        kept, ctx.kept = ctx.kept, None
-        eager_grads, ctx.eager_grads = ctx.eager_grads, None
         n_valid = rows.numel()
         need = ctx.needs_input_grad[:3]
         dx = dw = db = None

@@ -289,6 +289,25 @@ def vocab_parallel(result: dict) -> None:
         check(result, f"{name} grad weight shard", leaves[1].grad, ref_leaves[1].grad[shard])
         if b is not None:
             check(result, f"{name} grad bias shard", leaves[2].grad, ref_leaves[2].grad[shard])
+    # A backward that reaches the op with no gradient (a Function after it gives the loss none) lets the dX and dW
+    # formed in forward go, though the caller keeps the loss.
+    x, w, _, y, _ = vp_inputs({})
+    shard = slice(*((0, 19) if rank() == 0 else (19, VP_VOCAB)))
+    x, w_local = x.requires_grad_(), w[shard].clone().requires_grad_()
+    loss = vocab_parallel_linear_cross_entropy(x, w_local, y, process_group=None)
+    _GradientToTheSecondOnly.apply(loss, torch.zeros((), device=x.device, requires_grad=True)).backward()
+    if loss.grad_fn.eager_grads is not None or x.grad is not None or w_local.grad is not None:
+        raise AssertionError("the vocabulary-parallel op kept its dX and dW after a backward that gave it no gradient")
+
+
+class _GradientToTheSecondOnly(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+        return first.detach() + second
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return None, grad
 
 
 @scenario

@@ -561,11 +561,13 @@ def test_deferred_head_grad_twice_frozen_and_sharded():
         apply_flce(make_model("LlamaForCausalLM"), defer_head_grad="yes")
 
 
+@pytest.mark.parametrize("trunk_only", [False, True], ids=["backward", "grad_of_the_layers"])
 @pytest.mark.parametrize("defer", [False, True], ids=["", "defer_head_grad"])
-def test_backward_frees_the_hidden_states_of_a_kept_loss(defer):
-    """After ``loss.backward()`` the final hidden states are freed, as stock frees them, though the caller keeps the
-    loss (a loop that logs it later): the deferred dW takes them through autograd's saved tensors, not through an
-    object that the graph, and so the kept loss, holds."""
+def test_backward_frees_the_hidden_states_of_a_kept_loss(defer, trunk_only):
+    """After a backward the final hidden states are freed, as stock frees them, though the caller keeps the loss (a
+    loop that logs it later), also where the backward does not reach lm_head (``autograd.grad`` of the layers): the
+    deferred dW takes them through autograd's saved tensors, let go at the end of the backward, not through an object
+    that the graph, and so the kept loss, holds."""
     patched, _ = patched_pair("LlamaForCausalLM", defer_head_grad=defer)
     ids, labels = make_batch()
     storages = []
@@ -575,11 +577,32 @@ def test_backward_frees_the_hidden_states_of_a_kept_loss(defer):
     try:
         for _ in range(2):
             loss = patched(input_ids=ids, labels=labels).loss
-            loss.backward()
+            if trunk_only:
+                torch.autograd.grad(loss, list(patched.model.layers.parameters()))
+            else:
+                loss.backward()
             kept.append(loss)
         assert len(storages) == 2 and all(storage.expired() for storage in storages)
     finally:
         gc.enable()
+
+
+def test_a_patched_model_is_freed_on_del():
+    """An instance-patched model goes on ``del``, as stock does: its forward holds it weakly, so no reference cycle
+    waits for the garbage collector with the weights and gradients; a forward kept past its model says so."""
+    model = apply_flce(make_model("LlamaForCausalLM"))
+    ids, labels = make_batch()
+    model(input_ids=ids, labels=labels).loss.backward()
+    weight = StorageWeakRef(model.lm_head.weight.untyped_storage())
+    forward = model.forward
+    gc.disable()
+    try:
+        del model
+        assert weight.expired()
+    finally:
+        gc.enable()
+    with pytest.raises(ReferenceError, match="model has been deleted"):
+        forward(input_ids=ids, labels=labels)
 
 
 def test_options_and_config_softcap_are_forwarded():

@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import inspect
 import warnings
+import weakref
 from dataclasses import replace
 from types import MethodType
 from typing import TypedDict, TypeVar
@@ -319,11 +320,20 @@ def _state(cls: type, target: Target, options: PatchOptions | None) -> PatchStat
 class InstanceForward:
     """A fused forward bound to one model, as ``MethodType(forward, model)`` would be, except that it pickles:
     a bound method pickles as ``getattr(model, forward.__name__)``, which no model has, so ``torch.save(model)``
-    could not be loaded. This one pickles as its model and is bound again on load (:func:`_bound_fused_forward`)."""
+    could not be loaded. This one pickles as its model and is bound again on load (:func:`_bound_fused_forward`).
+    It holds its model weakly: the model holds it, and a strong reference back would keep a deleted model (its
+    weights and gradients) alive until the garbage collector finds the cycle, where stock frees it on ``del``."""
 
     def __init__(self, forward, model: nn.Module):
         self.__func__ = forward
-        self.__self__ = model
+        self._model = weakref.ref(model)
+
+    @property
+    def __self__(self) -> nn.Module:
+        model = self._model()
+        if model is None:
+            raise ReferenceError("this fused forward's model has been deleted")
+        return model
 
     def __call__(self, *args, **kwargs):
         return self.__func__(self.__self__, *args, **kwargs)

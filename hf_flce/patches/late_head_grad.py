@@ -79,8 +79,11 @@ class LateHeadGrad:
         """dW of the loss times its upstream gradient (the alias's backward), from what the loss's forward saved, in
         the weight's dtype (an upcast head computes it in float32)."""
         grad = self.saved.weight_grad(self.upstream, self.budget).to(self.weight.dtype)
-        self.upstream = self.saved = None
+        self.release()
         return grad
+
+    def release(self) -> None:
+        self.upstream = self.saved = None
 
 
 def _not_whole(linear: nn.Module, weight: torch.Tensor) -> str | None:
@@ -133,7 +136,11 @@ class _TieHeadGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        ctx.late.upstream = grad
+        late = ctx.late
+        late.upstream = grad
         if ctx.weight_grad_plan is not None:
-            ctx.late.saved = SavedForWeightGrad(*ctx.saved_tensors, plan=ctx.weight_grad_plan)
+            late.saved = SavedForWeightGrad(*ctx.saved_tensors, plan=ctx.weight_grad_plan)
+        # let go at the end of this backward call too, for one that does not reach the weight (``autograd.grad`` or
+        # ``backward(inputs=...)`` over other tensors), whose alias node then never takes them
+        torch.autograd.Variable._execution_engine.queue_callback(late.release)
         return grad, grad.new_zeros((), dtype=ctx.dtype).expand(ctx.shape), None
