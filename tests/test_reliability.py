@@ -15,7 +15,7 @@ from datasets import Dataset
 
 from hf_flce import apply_flce, cli
 from hf_flce.data import build_tiny_model, build_tokenizer, data_file
-from hf_flce.patches.registry import FAMILY_OF_MODEL_TYPE
+from hf_flce.patches.registry import MODEL_TYPES
 
 VOCAB = 128
 STEPS, SAVE_AT = 6, 3
@@ -280,5 +280,5 @@ def test_unsupported_model_type_lists_the_supported_ones():
         apply_flce(gpt2)
     message = str(info.value)
     assert "'gpt2'" in message and "GPT2LMHeadModel" in message
-    assert all(model_type in message for model_type in FAMILY_OF_MODEL_TYPE)
+    assert all(model_type in message for model_type in MODEL_TYPES)
     assert "forward" not in gpt2.__dict__  # nothing was patched

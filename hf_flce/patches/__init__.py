@@ -31,7 +31,7 @@ from .forward import (
 from .registry import (
     ALL_TARGETS,
     FAMILIES,
-    FAMILY_OF_MODEL_TYPE,
+    MODEL_TYPES,
     Target,
     aux_loss_function,
     find_target,
@@ -255,7 +255,7 @@ def _apply(families: tuple[str, ...], model: M | None, options: PatchKwargs, cal
             f"{caller}: {type(base).__name__} is not supported (model type {model_type!r}); supported classes: "
             f"{supported_classes(targets)}"
             + (
-                f" (model types: {', '.join(FAMILY_OF_MODEL_TYPE)})"
+                f" (model types: {', '.join(MODEL_TYPES)})"
                 if len(targets) == len(ALL_TARGETS)
                 else f" (all families: {supported_classes()})"
             )

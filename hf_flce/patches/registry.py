@@ -153,7 +153,7 @@ FAMILIES: dict[str, tuple[Target, ...]] = {
     "cohere": (Target("cohere", "CohereForCausalLM"), Target("cohere2", "Cohere2ForCausalLM")),
 }
 ALL_TARGETS: tuple[Target, ...] = tuple(t for targets in FAMILIES.values() for t in targets)
-FAMILY_OF_MODEL_TYPE: dict[str, str] = {t.model_type: family for family, ts in FAMILIES.items() for t in ts}
+MODEL_TYPES: tuple[str, ...] = tuple(dict.fromkeys(t.model_type for t in ALL_TARGETS))
 
 # The forward each class had before any patch, captured when the class is first loaded through this module.
 _STOCK_FORWARDS: dict[type, Callable] = {}
