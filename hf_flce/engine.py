@@ -861,7 +861,9 @@ def _chunk_forward(
             grad_out = fused.gradient(kept, ys, stats.lse, stats.entropy, plan.params, x_chunk.dtype, scale)
         else:
             grad_out = _grad_buffer(kept, x_chunk.dtype, plan.tiles)
-            plan.tiles.backward(kept, ys, stats.lse, stats.entropy, plan.params, scale, None, None, grad_out)
+            plan.tiles.backward(
+                kept, ys, stats.lse, stats.entropy, plan.params, scale, None, None, grad_out, lse_low=stats.lse_low
+            )
     return stats, prob, grad_out, (kept if keep else None)
 
 
@@ -877,19 +879,15 @@ def _joined(parts: list[torch.Tensor], dtype: torch.dtype, device: torch.device)
 def _joined_stats(chunk_stats: list[TileStats], device: torch.device, plan: CallPlan) -> TileStats:
     """Every kept row's statistics (float32; is_top1 bool): the loss, the lse and entropy backward may need, and the
     others where the caller reads them (else None)."""
-    wanted = ("loss", *_PER_TOKEN) if plan.want_stats else ("loss", "lse", "entropy")
-    return TileStats(
-        **{
-            f.name: _joined(
-                [getattr(s, f.name) for s in chunk_stats],
-                torch.bool if f.name == "is_top1" else torch.float32,
-                device,
-            )
-            if f.name in wanted
-            else None
-            for f in fields(TileStats)
-        }
-    )
+    wanted = ("loss", "lse_low", *_PER_TOKEN) if plan.want_stats else ("loss", "lse", "lse_low", "entropy")
+    parts = {f.name: [getattr(s, f.name) for s in chunk_stats] for f in fields(TileStats) if f.name in wanted}
+    if any(part is None for part in parts["lse_low"]):
+        parts["lse_low"] = None
+    joined = {
+        name: None if values is None else _joined(values, torch.bool if name == "is_top1" else torch.float32, device)
+        for name, values in parts.items()
+    }
+    return TileStats(**{f.name: joined.get(f.name) for f in fields(TileStats)})
 
 
 @dataclass
@@ -901,6 +899,7 @@ class _ForwardState:
     rows: torch.Tensor | None  # the kept rows (None: every row)
     lse: torch.Tensor  # kept rows
     entropy: torch.Tensor  # kept rows
+    lse_low: torch.Tensor | None  # kept rows (``TileStats.lse_low``)
     kept: object  # kept logits (or the epilogue path's KeptSoftmax) for the per-token backward, else None
 
 
@@ -971,7 +970,8 @@ def _statistics_without_sync(
         return outputs, None
     rows, _ = compaction.kept(n_kept, target)
     kept = None if kept is None else kept.head(n_kept)
-    return outputs, _ForwardState(None, None, rows, stats.lse[:n_kept], stats.entropy[:n_kept], kept)
+    lse_low = None if stats.lse_low is None else stats.lse_low[:n_kept]
+    return outputs, _ForwardState(None, None, rows, stats.lse[:n_kept], stats.entropy[:n_kept], lse_low, kept)
 
 
 def _forward(x, weight, bias, target, plan: CallPlan, needs_input_grad) -> tuple[tuple, _ForwardState | None]:
@@ -1148,7 +1148,7 @@ def _forward(x, weight, bias, target, plan: CallPlan, needs_input_grad) -> tuple
     if not need_grad:
         return outputs, None
     prob_v = _joined(chunk_probs, torch.float32, x.device) if plan.prob_weighted else None
-    return outputs, _ForwardState(grads, prob_v, rows, kept_stats.lse, kept_stats.entropy, kept)
+    return outputs, _ForwardState(grads, prob_v, rows, kept_stats.lse, kept_stats.entropy, kept_stats.lse_low, kept)
 
 
 def forward_without_grad(x, weight, bias, target, plan: CallPlan) -> tuple[torch.Tensor, ...]:
@@ -1181,6 +1181,7 @@ class SavedForWeightGrad:
     rows: torch.Tensor | None
     lse: torch.Tensor
     entropy: torch.Tensor
+    lse_low: torch.Tensor | None
     row_prob: torch.Tensor | None
     plan: CallPlan
 
@@ -1194,7 +1195,8 @@ class SavedForWeightGrad:
         plan = self.plan if memory_budget is None else replace(self.plan, budget=memory_budget)
         per_row = _scalar_grad_per_row(g_loss, plan, self.row_prob, self.rows, self.x.shape[0])
         needs = (False, True, False)
-        args = (self.x, self.weight, self.bias, self.target, self.rows, self.lse, self.entropy, None, plan)
+        stats = (self.lse, self.entropy, self.lse_low)
+        args = (self.x, self.weight, self.bias, self.target, self.rows, *stats, None, plan)
         return _recompute_grads(*args, per_row, None, None, *needs)[1]
 
 
@@ -1224,7 +1226,8 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         if receiver is not None and state is not None:
             # detached: x's graph reaches the caller's, which holds this (a cycle only the garbage collector breaks)
             inputs = (t if t is None else t.detach() for t in (x, weight, bias))
-            receiver(SavedForWeightGrad(*inputs, target, state.rows, state.lse, state.entropy, state.row_prob, plan))
+            stats = (state.lse, state.entropy, state.lse_low)
+            receiver(SavedForWeightGrad(*inputs, target, state.rows, *stats, state.row_prob, plan))
         ctx.mark_non_differentiable(*outputs[3:])
         ctx.plan = plan
         ctx.eager = state is not None and state.eager_grads is not None
@@ -1239,7 +1242,8 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             saved_x, saved_target = x, target
             if ctx.rows_gathered:
                 saved_x, saved_target = x.index_select(0, state.rows), target.index_select(0, state.rows)
-            ctx.save_for_backward(saved_x, weight, bias, saved_target, state.rows, state.lse, state.entropy)
+            stats = (state.lse, state.entropy, state.lse_low)
+            ctx.save_for_backward(saved_x, weight, bias, saved_target, state.rows, *stats)
             # Kept logits are overwritten by the first backward, so they live on ctx (not version-checked) and are
             # dropped once used: a second backward (retain_graph) recomputes them.
             ctx.kept = state.kept
@@ -1250,7 +1254,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
     def backward(ctx, g_loss, g_logp, g_ent, *unused):
         if not ctx.grad_enabled:
             return None, None, None, None, None
-        x, weight, bias, target, rows, lse_v, ent_v = ctx.saved_tensors
+        x, weight, bias, target, rows, lse_v, ent_v, lse_low = ctx.saved_tensors
         plan = ctx.plan
         kept, ctx.kept = ctx.kept, None
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
@@ -1269,8 +1273,9 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             if ctx.rows_gathered:
                 upstream = tuple(None if g is None else g.reshape(-1).index_select(0, rows) for g in upstream)
                 gather = None
+            stats = (lse_v, ent_v, lse_low)
             pdx, pdw, pdb = _recompute_grads(
-                x, weight, bias, target, gather, lse_v, ent_v, kept, plan, *upstream, need_dx, need_dw, need_db
+                x, weight, bias, target, gather, *stats, kept, plan, *upstream, need_dx, need_dw, need_db
             )
             if ctx.rows_gathered and pdx is not None:
                 pdx = _scatter_rows(pdx, rows, ctx.n)
@@ -1283,7 +1288,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
 
 
 def _recompute_grads(
-    x, weight, bias, target, rows, lse_v, ent_v, kept, plan, g_loss, g_logp, g_ent, need_dx, need_dw, need_db
+    x, weight, bias, target, rows, lse_v, ent_v, lse_low, kept, plan, g_loss, g_logp, g_ent, need_dx, need_dw, need_db
 ):
     """Gradient pass for per-token upstream gradients: one extra GEMM per chunk unless the logits were kept."""
     n = x.shape[0]
@@ -1345,6 +1350,7 @@ def _recompute_grads(
             ys,
             lse_v,
             ent_v,
+            lse_low,
             plan,
             fused,
             (gl, glp, ge),
@@ -1370,7 +1376,8 @@ def _recompute_grads(
             if logits is None:
                 logits = compute_logits(x_chunk, w_c, bias, logits_16bit)
             grad_out = _grad_buffer(logits, x_chunk.dtype, plan.tiles)
-            plan.tiles.backward(logits, ys[sl], lse_v[sl], ent_v[sl], plan.params, *upstream, grad_out)
+            low = None if lse_low is None else lse_low[sl]
+            plan.tiles.backward(logits, ys[sl], lse_v[sl], ent_v[sl], plan.params, *upstream, grad_out, lse_low=low)
             del logits
         grads.add(start, end, grad_out, x_chunk)
         del grad_out
@@ -1392,7 +1399,7 @@ def plan_chunk_columns(n_rows: int, vocab: int, bytes_per_logit: float, budget: 
 
 
 def _recompute_by_columns(
-    x, w_c, weight_dtype, bias, rows, ys, lse_v, ent_v, plan, fused, upstream, per_logit, needs, kept=None
+    x, w_c, weight_dtype, bias, rows, ys, lse_v, ent_v, lse_low, plan, fused, upstream, per_logit, needs, kept=None
 ):
     """The recomputing backward over vocabulary chunks instead of row chunks. Each chunk's gradient ``[rows, C]``
     (every kept row: their lse is known) gives dW's rows of that chunk in one GEMM over all rows, written once in the
@@ -1460,7 +1467,7 @@ def _recompute_by_columns(
             )
         logits = compute_logits(x_kept, w_cols, b_cols, logits_16bit)
         grad = _grad_buffer(logits, x_kept.dtype, plan.tiles)
-        plan.tiles.backward(logits, ys, lse_v, ent_v, plan.params, *upstream, grad, first_column=start)
+        plan.tiles.backward(logits, ys, lse_v, ent_v, plan.params, *upstream, grad, first_column=start, lse_low=lse_low)
         return grad
 
     def add_scaled(scaled) -> None:

@@ -16,6 +16,11 @@ smoothing, ``y`` the target):
     dH/dt_j    = -p_j * (t_j - lse + H)               (H = lse - sum_j p_j t_j)
 
 and ``dt/dz = (1 - tanh(z / softcap)**2) / temperature``.
+
+``t_j - lse`` (= log p_j) is the difference of two numbers that may be large (a trained model's logits share an
+offset of tens or hundreds), so lse is kept as two float32 numbers, ``lse`` and its rounding error ``lse_low``: one
+float32 lse is off by up to half its ulp, and every p_j with it, so the gradient's row sum is off by that much, a bias
+along the weight's mean row that outgrows stock's float32 gradient error at |lse| of about 20 and more.
 """
 
 from __future__ import annotations
@@ -44,6 +49,15 @@ class TileParams:
     optional_stats: frozenset[str] = OPTIONAL_STATS
 
 
+def lse_pair(row_max: torch.Tensor, log_sum_exp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``lse = row_max + log_sum_exp`` rounded, and its rounding error (Knuth's two-sum: exact for any two float32
+    values), 0 where either is not finite."""
+    lse = row_max + log_sum_exp
+    b = lse - row_max
+    low = (row_max - (lse - b)) + (log_sum_exp - b)
+    return lse, torch.where(torch.isfinite(low), low, 0.0)
+
+
 def check_columns(first_column: int, columns: int, vocab: int) -> None:
     """Raises where a vocabulary chunk ``first_column:first_column + columns`` does not lie inside ``[0, vocab)``: a
     pass would index the class weights and place the target's one-hot entry by those columns."""
@@ -62,16 +76,27 @@ class TileStats:
     is_top1: torch.Tensor  # bool
     mean_logit: torch.Tensor  # float32
     log_sum_sq_probs: torch.Tensor  # float32, log(sum_j p_j**2) (WPO weighting in TRL's DPO)
+    # float32, lse's rounding error: lse + lse_low is the log-sum-exp to twice float32's precision (see above). None
+    # on the 16-bit paths, whose logits and stored e round far more.
+    lse_low: torch.Tensor | None = None
 
     @classmethod
-    def empty(cls, rows: int, device: torch.device, dtype: torch.dtype = torch.float32) -> TileStats:
-        """Unfilled results for ``rows`` rows, each its own tensor (``dtype``; ``is_top1`` bool)."""
-        values = {f.name: torch.empty(rows, dtype=dtype, device=device) for f in fields(cls) if f.name != "is_top1"}
+    def empty(
+        cls, rows: int, device: torch.device, dtype: torch.dtype = torch.float32, lse_low: bool = False
+    ) -> TileStats:
+        """Unfilled results for ``rows`` rows, each its own tensor (``dtype``; ``is_top1`` bool; ``lse_low`` None
+        unless asked for)."""
+        names = [f.name for f in fields(cls) if f.name not in ("is_top1", "lse_low")] + (["lse_low"] if lse_low else [])
+        values = {name: torch.empty(rows, dtype=dtype, device=device) for name in names}
         return cls(is_top1=torch.empty(rows, dtype=torch.bool, device=device), **values)
 
     def head(self, rows: int) -> TileStats:
         """The first ``rows`` rows (views)."""
-        return TileStats(**{f.name: getattr(self, f.name)[:rows] for f in fields(self)})
+        return TileStats(**{f.name: _head(getattr(self, f.name), rows) for f in fields(self)})
+
+
+def _head(values: torch.Tensor | None, rows: int) -> torch.Tensor | None:
+    return None if values is None else values[:rows]
 
 
 class TileOps(Protocol):
@@ -125,9 +150,10 @@ class TileOps(Protocol):
         grad_entropy: torch.Tensor | None,
         grad_out: torch.Tensor,
         first_column: int = 0,
+        lse_low: torch.Tensor | None = None,
     ) -> None:
         """Writes the logits gradient for per-row upstream gradients of loss, logprob and entropy
         (each [rows] float32, or None for zero) into ``grad_out`` ([rows, C], may be ``logits`` itself). ``logits``
         may be a vocabulary chunk, ``[rows, C]``: the columns from ``first_column`` on, with ``lse`` and ``entropy``
-        the whole row's and ``params.vocab`` the whole vocabulary."""
+        the whole row's and ``params.vocab`` the whole vocabulary. ``lse_low``: the forward's (None: 0)."""
         ...

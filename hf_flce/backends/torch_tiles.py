@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import TileParams, TileStats, check_columns
+from .base import TileParams, TileStats, check_columns, lse_pair
 
 # float32 elements of one CPU row block (4 MiB per scratch buffer; 32 rows at V = 32k timed best on 2 cores)
 _CPU_BLOCK_ELEMS = 1 << 20
@@ -53,21 +53,24 @@ class _Blocks:
             yield slice(start, end), [None if buf is None else buf[: end - start] for buf in self.buffers]
 
 
-def _exp_shifted(t: torch.Tensor, shift: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``exp(t - shift[:, None])`` into ``out``. On CPU as ``exp2((t - shift) log2(e))``, about 3x cheaper there
-    than exp, to a few float32 ulp. The difference is taken first, so it is exactly 0 at ``t == shift`` (the row max
-    gives exactly 1, and the log-sum-exp is never below the max)."""
+def _exp_shifted(
+    t: torch.Tensor, shift: torch.Tensor, out: torch.Tensor, shift_low: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``exp((t - shift[:, None]) - shift_low[:, None])`` into ``out``. On CPU as ``exp2((t - shift) log2(e))``,
+    about 3x cheaper there than exp, to a few float32 ulp. The difference is taken first, so it is exactly 0 at
+    ``t == shift`` (the row max gives exactly 1, and the log-sum-exp is never below the max), and ``shift_low`` (an
+    lse's rounding error, ``base.lse_pair``) is subtracted from it, not from ``shift``."""
     torch.sub(t, shift[:, None], out=out)
+    if shift_low is not None:
+        out.sub_(shift_low[:, None])
     if not _blocked(t):
         return out.exp_()
     return out.mul_(_LOG2_E).exp2_()
 
 
-def _row_dot(a: torch.Tensor, b: torch.Tensor, scratch: torch.Tensor | None) -> torch.Tensor:
-    """``sum_j a_ij b_ij`` per row: on CPU through ``scratch`` (bmm is slow there), else a batched dot product."""
-    if scratch is None:
-        return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
-    return torch.mul(a, b, out=scratch).sum(dim=1)
+def _row_dot_shifted(e: torch.Tensor, t: torch.Tensor, shift: torch.Tensor, scratch: torch.Tensor | None):
+    """``sum_j e_ij (t_ij - shift_i)`` per row (through ``scratch`` where given)."""
+    return torch.sub(t, shift[:, None], out=scratch).mul_(e).sum(dim=1)
 
 
 def _is_top1(t, row_max, target_logit, target, scratch) -> torch.Tensor:
@@ -138,7 +141,7 @@ class TorchTileOps(TargetApartForward):
         """``TileOps.forward``; with ``target_coef`` ([rows] float32) the gradient's target column goes there and is
         0 in ``grad_out`` (``forward_target_apart``)."""
         rows = logits.shape[0]
-        stats = TileStats.empty(rows, logits.device, _compute_dtype(logits))
+        stats = TileStats.empty(rows, logits.device, _compute_dtype(logits), lse_low=True)
         for b, scratch in _Blocks(logits, params, tmp=False):
             self._forward_block(
                 logits[b],
@@ -171,33 +174,48 @@ class TorchTileOps(TargetApartForward):
         e = _exp_shifted(t, row_max, e_buf)
         sum_exp = e.sum(dim=1)
         log_sum_exp = torch.log(sum_exp)
-        lse = row_max + log_sum_exp
-        expected_t = _row_dot(e, t, tmp) / sum_exp  # sum_j p_j t_j
+        lse, lse_low = lse_pair(row_max, log_sum_exp)
+        # Against the max, not lse: t_y - max and sum_j p_j (t_j - max) hold no large offset shared by the logits.
+        target_minus_max = target_logit - row_max
+        expected_t_minus_max = _row_dot_shifted(e, t, row_max, tmp) / sum_exp
         log_sum_sq = 2.0 * (torch.log(torch.linalg.vector_norm(e, dim=1)) - log_sum_exp)  # log sum_j p_j^2
 
         w_y, w_sum = self._weights(safe_target, params, lse)
-        loss = (1.0 - eps) * w_y * (lse - target_logit)
+        loss = (1.0 - eps) * w_y * (log_sum_exp - target_minus_max)
         if eps:
             smooth = (vocab if w_sum is None else w_sum) * lse - smooth_sum
             loss = loss + (eps / vocab) * smooth
         if params.z_loss:
             loss = loss + params.z_loss * lse.square()
         zero = torch.zeros((), dtype=t.dtype, device=t.device)
-        entropy = torch.where(valid, lse - expected_t, zero)
+        entropy = torch.where(valid, log_sum_exp - expected_t_minus_max, zero)
         stats.loss[b] = torch.where(valid, loss, zero)
         stats.lse[b] = torch.where(valid, lse, zero)
-        stats.logprob[b] = torch.where(valid, target_logit - lse, zero)
+        stats.lse_low[b] = torch.where(valid, lse_low, zero)
+        stats.logprob[b] = torch.where(valid, target_minus_max - log_sum_exp, zero)
         stats.entropy[b] = entropy
         stats.is_top1[b] = is_top1
         stats.mean_logit[b] = torch.where(valid, mean_logit, zero)
         stats.log_sum_sq_probs[b] = torch.where(valid, log_sum_sq, zero)
         if grad_scale is not None:
             grad_loss = torch.where(valid, grad_scale, zero)
-            inputs = (t, tanh, e, sum_exp, safe_target, lse, entropy, params, grad_loss, None, None, grad_out, tmp)
-            self._write_grad(*inputs, target_coef=target_coef)
+            grads = (grad_loss, None, None)
+            inputs = (t, tanh, e, sum_exp, safe_target, lse, entropy, params, grads, grad_out, tmp)
+            self._write_grad(*inputs, target_coef=target_coef, log_p_ref=(row_max, log_sum_exp))
 
     def backward(
-        self, logits, target, lse, entropy, params, grad_loss, grad_logprob, grad_entropy, grad_out, first_column=0
+        self,
+        logits,
+        target,
+        lse,
+        entropy,
+        params,
+        grad_loss,
+        grad_logprob,
+        grad_entropy,
+        grad_out,
+        first_column=0,
+        lse_low=None,
     ) -> None:
         check_columns(first_column, logits.shape[1], params.vocab)
         for b, (t_buf, tanh_buf, p_buf, tmp) in _Blocks(logits, params, tmp=grad_entropy is not None):
@@ -205,14 +223,15 @@ class TorchTileOps(TargetApartForward):
             valid = target[b] != params.ignore_index
             safe_target = torch.where(valid, target[b], 0)
             zero = torch.zeros((), dtype=t.dtype, device=t.device)
-            p = _exp_shifted(t, lse[b], p_buf).masked_fill_(~valid[:, None], 0.0)
+            low = None if lse_low is None else lse_low[b].to(t.dtype)
+            p = _exp_shifted(t, lse[b], p_buf, low).masked_fill_(~valid[:, None], 0.0)
             masked = [
                 None if g is None else torch.where(valid, g[b].to(t.dtype), zero)
                 for g in (grad_loss, grad_logprob, grad_entropy)
             ]
-            self._write_grad(
-                t, tanh, p, None, safe_target, lse[b], entropy[b], params, *masked, grad_out[b], tmp, first_column
-            )
+            log_p_ref = (lse[b], torch.zeros_like(lse[b]) if low is None else low)
+            inputs = (t, tanh, p, None, safe_target, lse[b], entropy[b], params, masked, grad_out[b], tmp)
+            self._write_grad(*inputs, first_column, log_p_ref=log_p_ref)
 
     def _write_grad(
         self,
@@ -224,18 +243,20 @@ class TorchTileOps(TargetApartForward):
         lse,
         entropy,
         params,
-        grad_loss,
-        grad_logprob,
-        grad_entropy,
+        upstream,
         grad_out,
         tmp,
         first_column=0,
         target_coef=None,
+        log_p_ref=None,
     ):
         """The logits gradient of one block into ``grad_out``. ``e`` is the softmax times ``sum_exp`` per row (the
         softmax itself when ``sum_exp`` is None); it is overwritten, and so are ``tanh`` and ``tmp``. The block's
         columns are the vocabulary's from ``first_column`` on (a vocabulary chunk: ``t``, ``lse`` and ``entropy``
-        are still the whole row's). With ``target_coef`` (whole rows only) the target column goes there instead."""
+        are still the whole row's). With ``target_coef`` (whole rows only) the target column goes there instead.
+        ``upstream`` holds the rows' gradients of loss, logprob and entropy (None for 0); ``log_p_ref``, per row,
+        ``(ref, low)`` with ``log p_j = (t_j - ref) - low`` (for the entropy's gradient)."""
+        grad_loss, grad_logprob, grad_entropy = upstream
         eps, vocab = params.label_smoothing, params.vocab
         zeros = torch.zeros_like(lse)
         g_loss = zeros if grad_loss is None else grad_loss
@@ -251,11 +272,12 @@ class TorchTileOps(TargetApartForward):
             p_coef = p_coef - grad_logprob
             onehot_coef = onehot_coef + grad_logprob
         if grad_entropy is not None:
-            # -g_H * p_j * (t_j - lse + H): fold the row constant into p_coef, keep the t_j part
-            p_coef = p_coef + grad_entropy * (lse - entropy)
+            # -g_H * p_j * (log p_j + H), log p_j from the reference pair: no difference of two large numbers
             if sum_exp is not None:
                 e.div_(sum_exp[:, None])
-            grad = e.mul_(torch.mul(t, -grad_entropy[:, None], out=tmp).add_(p_coef[:, None]))
+            ref, low = log_p_ref
+            log_p = torch.sub(t, ref[:, None], out=tmp).sub_(low[:, None])
+            grad = e.mul_(log_p.add_(entropy[:, None]).mul_(-grad_entropy[:, None]).add_(p_coef[:, None]))
         else:
             grad = e.mul_((p_coef if sum_exp is None else p_coef / sum_exp)[:, None])
         if first_column or grad.shape[1] != vocab:

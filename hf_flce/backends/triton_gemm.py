@@ -194,7 +194,7 @@ def _row_coefs(
     HAS_SMOOTHING: tl.constexpr,
     HAS_ZLOSS: tl.constexpr,
 ):
-    """The rows' lse and gradient coefficients (``triton_tiles.row_grad_coefs``; no class weights here)."""
+    """The rows' lse, entropy and gradient coefficients (``triton_tiles.row_grad_coefs``; no class weights here)."""
     lse = tl.load(lse_ptr + rows, mask=valid, other=0.0)
     entropy = lse
     if HAS_GE:
@@ -222,7 +222,7 @@ def _row_coefs(
         HAS_ZLOSS,
         False,
     )
-    return lse, p_coef[:, None], onehot_coef[:, None], smooth_coef[:, None], g_entropy[:, None]
+    return lse, entropy[:, None], p_coef[:, None], onehot_coef[:, None], smooth_coef[:, None], g_entropy[:, None]
 
 
 @triton.jit
@@ -253,7 +253,7 @@ def _grad_of_t(
     """The logits gradient at the transformed logits ``t`` (``[rows, columns]``, ``is_y`` marking each row's target
     column, ``dt`` = dt/dz beside them where ``HAS_DT``) of rows whose lse is known: ``MODE_GRAD``'s epilogue, and
     the target column alone (``target_gradient``)."""
-    lse, p_coef, onehot_coef, smooth_coef, g_entropy = _row_coefs(
+    lse, entropy, p_coef, onehot_coef, smooth_coef, g_entropy = _row_coefs(
         rows,
         valid,
         lse_ptr,
@@ -273,9 +273,11 @@ def _grad_of_t(
         HAS_SMOOTHING,
         HAS_ZLOSS,
     )
-    # ignored rows: exp(-inf) = 0, so nothing overflows against their placeholder lse
-    p = fast_exp(tl.where(valid[:, None], t - lse[:, None], float("-inf")))
-    g = logit_grad(p, t, is_y, p_coef, onehot_coef, g_entropy, HAS_GE) - smooth_coef
+    # ignored rows: p = exp(-inf) = 0, so nothing overflows against their placeholder lse, and log p = 0 keeps the
+    # entropy's term p log p at 0
+    log_p = tl.where(valid[:, None], t - lse[:, None], 0.0)
+    p = fast_exp(tl.where(valid[:, None], log_p, float("-inf")))
+    g = logit_grad(p, log_p, is_y, p_coef, onehot_coef, g_entropy, entropy, HAS_GE) - smooth_coef
     if HAS_DT:
         g *= dt
     return g
@@ -1006,7 +1008,7 @@ def _grad_from_e_kernel(
     y = tl.load(y_ptr + rows, mask=row_ok, other=ignore_index)
     valid = row_ok & (y != ignore_index)
     m = tl.load(part_ptr + tile * stride_pt + rows, mask=valid, other=0.0)
-    lse, p_coef, onehot_coef, smooth_coef, g_entropy = _row_coefs(
+    lse, entropy, p_coef, onehot_coef, smooth_coef, g_entropy = _row_coefs(
         rows,
         valid,
         lse_ptr,
@@ -1031,15 +1033,20 @@ def _grad_from_e_kernel(
     # p = e exp(m - lse); m <= lse, so the factor is at most 1
     p = e * tl.where(valid, fast_exp(m - lse), 0.0)[:, None]
     is_y = cols[None, :] == y[:, None]
+    log_p = e  # read with entropy gradients only
+    t = e  # read with a softcap only
     if HAS_GE or HAS_SOFTCAP:
-        # t_j = m + log e_j; where e_j underflowed to 0, p_j t_j -> 0
-        t = tl.where(e > 0.0, m[:, None] + fast_log(tl.maximum(e, 1e-30)), 0.0)
-    else:
-        t = e  # not read without entropy gradients or softcap
+        log_e = fast_log(tl.maximum(e, 1e-30))
+        if HAS_GE:
+            # log p_j = log e_j + (m - lse); where e_j underflowed to 0, p_j log p_j -> 0
+            log_p = tl.where(e > 0.0, log_e + (m - lse)[:, None], 0.0)
+        if HAS_SOFTCAP:
+            # t_j = m + log e_j
+            t = tl.where(e > 0.0, m[:, None] + log_e, 0.0)
     if HAS_SOFTCAP:
         # the [j == y] term needs dt at t_y even where p_y underflowed: t_y comes from the forward tile
         t = tl.where(is_y, tl.load(ty_ptr + rows, mask=valid, other=0.0)[:, None], t)
-    g = logit_grad(p, t, is_y, p_coef, onehot_coef, g_entropy, HAS_GE) - smooth_coef
+    g = logit_grad(p, log_p, is_y, p_coef, onehot_coef, g_entropy, entropy, HAS_GE) - smooth_coef
     if HAS_SOFTCAP:
         # dt/dz = (1 - tanh(z / softcap)**2) / temperature, tanh(z / softcap) = t / t_scale (|t| can round past t_scale)
         th = t * (1.0 / t_scale)

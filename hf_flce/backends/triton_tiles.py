@@ -277,7 +277,7 @@ def row_grad_coefs(
 ):
     """Per-row coefficients (zero at ignored rows; ``rows`` a row index or a vector of them) of the logits gradient
     of g_loss * loss + g_logprob * logp + g_entropy * H (see base.py):
-    g_j = p_j * (p_coef - g_entropy * t_j) + [j == y] * onehot_coef - smooth_coef * w_j."""
+    g_j = p_j * (p_coef - g_entropy * (log p_j + H)) + [j == y] * onehot_coef - smooth_coef * w_j."""
     zero = tl.zeros_like(lse)
     p_coef = zero
     onehot_coef = zero
@@ -302,15 +302,16 @@ def row_grad_coefs(
         onehot_coef += g_logprob
     if HAS_GE:
         g_entropy = tl.load(ge_ptr + rows * stride_ge, mask=valid, other=0.0).to(tl.float32)
-        p_coef += g_entropy * (lse - entropy)
     return p_coef, onehot_coef, smooth_coef, g_entropy
 
 
 @triton.jit
-def logit_grad(p, t, is_target, p_coef, onehot_coef, g_entropy, HAS_GE: tl.constexpr):
-    """p_j * (p_coef - g_entropy * t_j) + [j == y] * onehot_coef: the gradient before smoothing and dt/dz."""
+def logit_grad(p, log_p, is_target, p_coef, onehot_coef, g_entropy, entropy, HAS_GE: tl.constexpr):
+    """p_j * (p_coef - g_entropy * (log p_j + H)) + [j == y] * onehot_coef: the gradient before smoothing and dt/dz.
+    ``log_p`` (read with HAS_GE) is t_j - lse taken so that no large offset the logits share is left in it: t_j - lse
+    as one difference would carry lse's rounding into every p_j's term (base.py)."""
     if HAS_GE:
-        g = p * (p_coef - g_entropy * t)
+        g = p * (p_coef - g_entropy * (log_p + entropy))
     else:
         g = p * p_coef
     return g + tl.where(is_target, onehot_coef, 0.0)
@@ -327,6 +328,7 @@ def _tile_kernel(
     weight_sum_ptr,
     lse_ptr,
     stride_lse,
+    lse_low_ptr,
     entropy_ptr,
     stride_entropy,
     loss_ptr,
@@ -374,9 +376,11 @@ def _tile_kernel(
     GRAD_OVER_ROW: tl.constexpr,
     TARGET_APART: tl.constexpr,
     SCALED: tl.constexpr,
+    HAS_LSE_LOW: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """One row. STATS (forward): computes and stores the row's statistics, else (backward) reads its lse and
+    """One row. STATS (forward): computes and stores the row's statistics (with HAS_LSE_LOW lse's rounding error at
+    ``lse_low_ptr + row``, ``base.lse_pair``), else (backward) reads its lse (and that error, with HAS_LSE_LOW) and
     entropy. Then, with any upstream gradient (HAS_GL, HAS_GLP, HAS_GE), writes
     d/dz of g_loss * loss + g_logprob * logp + g_entropy * H (see base.py). Ignored rows read no logits, and get
     zero statistics and a zero gradient. In backward the row's V logits may be a vocabulary chunk's, the columns from
@@ -429,9 +433,13 @@ def _tile_kernel(
         sum_exp = tl.where(valid, sum_exp, 1.0)
         log_sum_exp = tl.log(sum_exp)
         lse = m + log_sum_exp
+        # log p_j = (t_j - m) - log sum e below: m and the logits near it may share a large offset, which cancels
+        # exactly in t_j - m; lse = m + log sum e rounds it back in (base.py)
+        ref = m
+        ref_low = log_sum_exp
         # H = lse - sum p t = log(sum e) - sum e (t - m) / sum e: no cancellation of two large terms
         entropy = log_sum_exp - sum_e_tm / sum_exp
-        loss = (1.0 - smoothing) * w_y * (lse - t_y)
+        loss = (1.0 - smoothing) * w_y * (log_sum_exp - (t_y - m))
         if HAS_SMOOTHING:
             if HAS_WEIGHT:
                 loss += smooth_over_v * (tl.load(weight_sum_ptr) * lse - sum_wt)
@@ -442,13 +450,22 @@ def _tile_kernel(
         log_sum_sq = tl.log(tl.where(valid, sum_e2, 1.0)) - 2.0 * log_sum_exp
         tl.store(loss_ptr + row, tl.where(valid, loss, 0.0))
         tl.store(lse_ptr + row * stride_lse, tl.where(valid, lse, 0.0))
-        tl.store(logprob_ptr + row, tl.where(valid, t_y - lse, 0.0))
+        if HAS_LSE_LOW:
+            # two-sum: the exact rounding error of m + log sum e
+            b = lse - m
+            lse_low = (m - (lse - b)) + (log_sum_exp - b)
+            tl.store(lse_low_ptr + row, tl.where(valid & (lse_low == lse_low), lse_low, 0.0))
+        tl.store(logprob_ptr + row, tl.where(valid, (t_y - m) - log_sum_exp, 0.0))
         tl.store(entropy_ptr + row * stride_entropy, tl.where(valid, entropy, 0.0))
         tl.store(top1_ptr + row, (valid & (best == y)).to(tl.int8))
         tl.store(mean_ptr + row, tl.where(valid, sum_t / V, 0.0))
         tl.store(lssp_ptr + row, tl.where(valid, log_sum_sq, 0.0))
     else:
         lse = tl.where(valid, tl.load(lse_ptr + row * stride_lse), 0.0)
+        ref = lse
+        ref_low = 0.0
+        if HAS_LSE_LOW:
+            ref_low = tl.where(valid, tl.load(lse_low_ptr + row), 0.0)
         entropy = 0.0
         if HAS_GE:
             entropy = tl.where(valid, tl.load(entropy_ptr + row * stride_entropy), 0.0)
@@ -529,7 +546,8 @@ def _tile_kernel(
                 tl.debug_barrier()
             t, dt = _transform(z, inv_softcap, t_scale, inv_temperature, HAS_SOFTCAP, HAS_TEMPERATURE)
             is_target = offs == y_col
-            g = logit_grad(fast_exp(t - lse), t, is_target, p_coef, onehot_coef, g_entropy, HAS_GE)
+            log_p = (t - ref) - ref_low
+            g = logit_grad(fast_exp(log_p), log_p, is_target, p_coef, onehot_coef, g_entropy, entropy, HAS_GE)
             if HAS_GL and HAS_SMOOTHING:
                 if HAS_WEIGHT:
                     g -= smooth_coef * tl.load(weight_ptr + col_offset + offs, mask=in_row, other=0.0)
@@ -635,13 +653,15 @@ class TritonTileOps:
         first_column: int = 0,
         target_coef: torch.Tensor | None = None,
         scaled: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor] | None = None,
+        lse_low: torch.Tensor | None = None,
     ) -> None:
         """Runs the kernel over every row: ``stats`` given, it fills them (and ``lse``, ``entropy``, which are its
         fields); else it reads ``lse`` and ``entropy``. Any upstream gradient given, it writes ``grad_out``, with
         ``target_coef`` (float32 ``[rows]``) its target column there and 0 in ``grad_out``. ``logits`` holds the
         vocabulary's columns from ``first_column`` on (backward only). ``scaled = (row_scale, uniform, x, weight)``:
         the kernel's SCALED sweep, ``grad_out`` then ``E``, ``row_scale`` (float32 ``[rows]``) its row scales and
-        ``uniform`` (float32 ``[rows]``, with label smoothing) the uniform term."""
+        ``uniform`` (float32 ``[rows]``, with label smoothing) the uniform term. ``lse_low``: lse's rounding error,
+        written with ``stats`` (``stats.lse_low``), else read (None: 0)."""
         rows, n_cols = logits.shape
         if rows == 0:
             return
@@ -649,6 +669,8 @@ class TritonTileOps:
             raise ValueError("an upstream gradient needs grad_out")
         # unused pointers: any tensor on the device
         spare = lse
+        if stats is not None:
+            lse_low = stats.lse_low
         outputs = [spare] * 5
         if stats is not None:
             outputs = [stats.loss, stats.logprob, stats.is_top1.view(torch.int8), stats.mean_logit]
@@ -683,6 +705,7 @@ class TritonTileOps:
                 spare if cw_sum is None else cw_sum,
                 lse,
                 lse.stride(0),
+                spare if lse_low is None else lse_low,
                 entropy,
                 entropy.stride(0),
                 *outputs,
@@ -721,6 +744,7 @@ class TritonTileOps:
                 GRAD_OVER_ROW=grad.dtype != logits.dtype and _same_storage(grad, logits),
                 TARGET_APART=target_coef is not None,
                 SCALED=scaled is not None,
+                HAS_LSE_LOW=lse_low is not None,
                 BLOCK=block,
                 num_warps=num_warps,
             )
@@ -757,7 +781,7 @@ class TritonTileOps:
         grad_out: torch.Tensor | None = None,
     ) -> TileStats:
         rows = logits.shape[0]
-        stats = TileStats.empty(rows, logits.device)
+        stats = TileStats.empty(rows, logits.device, lse_low=True)
         self._launch(logits, target, params, stats.lse, stats.entropy, (grad_scale, None, None), grad_out, stats)
         return stats
 
@@ -829,7 +853,8 @@ class TritonTileOps:
         grad_entropy: torch.Tensor | None,
         grad_out: torch.Tensor,
         first_column: int = 0,
+        lse_low: torch.Tensor | None = None,
     ) -> None:
         check_columns(first_column, logits.shape[1], params.vocab)
         upstream = (grad_loss, grad_logprob, grad_entropy)
-        self._launch(logits, target, params, lse, entropy, upstream, grad_out, None, first_column)
+        self._launch(logits, target, params, lse, entropy, upstream, grad_out, None, first_column, lse_low=lse_low)

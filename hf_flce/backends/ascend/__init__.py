@@ -113,11 +113,22 @@ class AscendTileOps(TargetApartForward):
             is_top1=stats[kernels.STAT_TOP1.value] != 0,
             mean_logit=stats[kernels.STAT_MEAN.value],
             log_sum_sq_probs=stats[kernels.STAT_LSSP.value],
+            lse_low=stats[kernels.STAT_LSE_LOW.value],
         )
         if grad_scale is not None:
             lse, entropy = result.lse, result.entropy
             self.backward(
-                logits, target, lse, entropy, params, grad_scale, None, None, grad_out, target_coef=target_coef
+                logits,
+                target,
+                lse,
+                entropy,
+                params,
+                grad_scale,
+                None,
+                None,
+                grad_out,
+                target_coef=target_coef,
+                lse_low=result.lse_low,
             )
         return result
 
@@ -134,6 +145,7 @@ class AscendTileOps(TargetApartForward):
         grad_out: torch.Tensor,
         first_column: int = 0,
         target_coef: torch.Tensor | None = None,
+        lse_low: torch.Tensor | None = None,
     ) -> None:
         rows, n_cols = logits.shape
         check_columns(first_column, n_cols, params.vocab)
@@ -148,6 +160,7 @@ class AscendTileOps(TargetApartForward):
             grad_stride=grad_out.stride(0),
             target_ptr=target.contiguous(),
             lse_ptr=lse.contiguous(),
+            lse_low_ptr=torch.zeros_like(lse) if lse_low is None else lse_low.contiguous(),
             entropy_ptr=entropy.contiguous(),
             grad_loss_ptr=logits if grads[0] is None else grads[0],
             grad_logprob_ptr=logits if grads[1] is None else grads[1],

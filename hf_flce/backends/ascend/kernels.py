@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# Rows of the [7, rows] float32 statistics buffer the forward kernel writes.
+# Rows of the [8, rows] float32 statistics buffer the forward kernel writes.
 STAT_LOSS = tl.constexpr(0)
 STAT_LSE = tl.constexpr(1)
 STAT_LOGPROB = tl.constexpr(2)
@@ -19,7 +19,8 @@ STAT_ENTROPY = tl.constexpr(3)
 STAT_TOP1 = tl.constexpr(4)
 STAT_MEAN = tl.constexpr(5)
 STAT_LSSP = tl.constexpr(6)
-N_STATS = 7
+STAT_LSE_LOW = tl.constexpr(7)  # lse's rounding error (``backends.base.lse_pair``)
+N_STATS = 8
 
 # Start of the running max: finite, so that rescaling an empty sum gives 0 rather than -inf * 0.
 _FLOOR = tl.constexpr(-3.0e38)
@@ -104,11 +105,15 @@ def forward_kernel(
             best = tl.maximum(best, block_max)
         log_s = tl.log(s)
         lse = m + log_s
+        # two-sum: the exact rounding error of m + log s
+        b = lse - m
+        lse_low = (m - (lse - b)) + (log_s - b)
         if HAS_WEIGHT:
             w_y = tl.load(weight_ptr + y)
         else:
             w_y = 1.0
-        loss = (1.0 - eps) * w_y * (lse - t_y) + z_loss * lse * lse
+        # against m, not lse: t_y - m holds no large offset the logits share (base.py)
+        loss = (1.0 - eps) * w_y * (log_s - (t_y - m)) + z_loss * lse * lse
         if SMOOTH:
             if HAS_WEIGHT:
                 loss += eps / vocab * (tl.load(weight_sum_ptr) * lse - sum_wt)
@@ -117,7 +122,8 @@ def forward_kernel(
         out = stats_ptr + row
         tl.store(out + STAT_LOSS * stats_stride, tl.where(valid, loss, 0.0))
         tl.store(out + STAT_LSE * stats_stride, tl.where(valid, lse, 0.0))
-        tl.store(out + STAT_LOGPROB * stats_stride, tl.where(valid, t_y - lse, 0.0))
+        tl.store(out + STAT_LOGPROB * stats_stride, tl.where(valid, (t_y - m) - log_s, 0.0))
+        tl.store(out + STAT_LSE_LOW * stats_stride, tl.where(valid & (lse_low == lse_low), lse_low, 0.0))
         tl.store(out + STAT_ENTROPY * stats_stride, tl.where(valid, log_s - a / s, 0.0))
         tl.store(out + STAT_TOP1 * stats_stride, tl.where(valid & (best_idx == y), 1.0, 0.0))
         tl.store(out + STAT_MEAN * stats_stride, tl.where(valid, sum_t / vocab, 0.0))
@@ -132,6 +138,7 @@ def backward_kernel(
     grad_stride,
     target_ptr,
     lse_ptr,
+    lse_low_ptr,
     entropy_ptr,
     grad_loss_ptr,
     grad_logprob_ptr,
@@ -160,7 +167,7 @@ def backward_kernel(
 ):
     """Logits gradient of each row for per-row upstream gradients; ignored rows get zeros.
 
-    ``dL/dt_j = p_j (c - g_H t_j) + k [j == y] - g eps / V w_j`` with the row constants ``c`` and ``k`` below
+    ``dL/dt_j = p_j (c - g_H (log p_j + H)) + k [j == y] - g eps / V w_j`` with the row constants ``c`` and ``k`` below
     (see ``backends/base.py``), times ``dt/dz``. Each block is read before it is written, so ``grad`` may alias
     ``logits``. A row holds ``n_cols`` logits, the vocabulary's from ``col_offset`` on (all ``vocab`` of them but in
     a vocabulary chunk). ``TARGET_COEF``: the target column's gradient goes to ``target_coef_ptr`` in float32 and is
@@ -179,6 +186,7 @@ def backward_kernel(
         valid = y != ignore_index
         y = tl.where(valid, y, 0)
         lse = tl.where(valid, tl.load(lse_ptr + row), 0.0)
+        lse_low = tl.where(valid, tl.load(lse_low_ptr + row), 0.0)
         if HAS_WEIGHT:
             w_y = tl.load(weight_ptr + y)
         else:
@@ -200,7 +208,7 @@ def backward_kernel(
             onehot += g_lp
         if HAS_GRAD_ENTROPY:
             g_h = tl.where(valid, tl.load(grad_entropy_ptr + row), 0.0)
-            p_coef += g_h * (lse - tl.load(entropy_ptr + row))
+            entropy = tl.where(valid, tl.load(entropy_ptr + row), 0.0)
         target_coef = tl.zeros((), tl.float32)
         for start in range(0, n_cols, BLOCK):
             offs = start + cols
@@ -210,9 +218,11 @@ def backward_kernel(
                 th = _tanh(t / softcap)
                 t = th * softcap
             t *= inv_temp
-            p = tl.exp(t - lse)
+            # log p_j: t_j - lse first (exact where p_j counts), then lse's rounding error (base.py)
+            log_p = (t - lse) - lse_low
+            p = tl.exp(log_p)
             if HAS_GRAD_ENTROPY:
-                grad = p * (p_coef - g_h * t)
+                grad = p * (p_coef - g_h * (log_p + entropy))
             else:
                 grad = p * p_coef
             grad += tl.where(offs == y - col_offset, onehot, 0.0)
