@@ -167,7 +167,7 @@ def load_class(target: Target) -> type:
 
 
 def installed_classes(targets: tuple[Target, ...]) -> dict[type, Target]:
-    """The classes of ``targets`` that the installed transformers has. Of the supported releases (5.17-5.23), 5.17
+    """The classes of ``targets`` that the installed transformers has. Of the supported releases (5.17-5.24), 5.17
     lacks ``Lfm3ForCausalLM``; a release may lack or drop a class, and the class patch then covers the rest."""
     classes = {}
     for target in targets:
