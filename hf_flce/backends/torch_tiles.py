@@ -54,18 +54,23 @@ class _Blocks:
 
 
 def _exp_shifted(
-    t: torch.Tensor, shift: torch.Tensor, out: torch.Tensor, shift_low: torch.Tensor | None = None
+    t: torch.Tensor,
+    shift: torch.Tensor,
+    out: torch.Tensor,
+    shift_low: torch.Tensor | None = None,
+    exponent_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``exp((t - shift[:, None]) - shift_low[:, None])`` into ``out``. On CPU as ``exp2((t - shift) log2(e))``,
-    about 3x cheaper there than exp, to a few float32 ulp. The difference is taken first, so it is exactly 0 at
-    ``t == shift`` (the row max gives exactly 1, and the log-sum-exp is never below the max), and ``shift_low`` (an
-    lse's rounding error, ``base.lse_pair``) is subtracted from it, not from ``shift``."""
-    torch.sub(t, shift[:, None], out=out)
+    """``exp((t - shift[:, None]) - shift_low[:, None])`` into ``out`` (the exponent kept in ``exponent_out`` where
+    given). On CPU as ``exp2((t - shift) log2(e))``, about 3x cheaper there than exp, to a few float32 ulp. The
+    difference is taken first, so it is exactly 0 at ``t == shift`` (the row max gives exactly 1, and the log-sum-exp
+    is never below the max), and ``shift_low`` (an lse's rounding error, ``base.lse_pair``) is subtracted from it,
+    not from ``shift``."""
+    exponent = torch.sub(t, shift[:, None], out=out if exponent_out is None else exponent_out)
     if shift_low is not None:
-        out.sub_(shift_low[:, None])
+        exponent.sub_(shift_low[:, None])
     if not _blocked(t):
-        return out.exp_()
-    return out.mul_(_LOG2_E).exp2_()
+        return torch.exp(exponent, out=out)
+    return torch.mul(exponent, _LOG2_E, out=out).exp2_()
 
 
 def _row_dot_shifted(e: torch.Tensor, t: torch.Tensor, shift: torch.Tensor, scratch: torch.Tensor | None):
@@ -201,7 +206,7 @@ class TorchTileOps(TargetApartForward):
             grad_loss = torch.where(valid, grad_scale, zero)
             grads = (grad_loss, None, None)
             inputs = (t, tanh, e, sum_exp, safe_target, lse, entropy, params, grads, grad_out, tmp)
-            self._write_grad(*inputs, target_coef=target_coef, log_p_ref=(row_max, log_sum_exp))
+            self._write_grad(*inputs, target_coef=target_coef)
 
     def backward(
         self,
@@ -224,14 +229,15 @@ class TorchTileOps(TargetApartForward):
             safe_target = torch.where(valid, target[b], 0)
             zero = torch.zeros((), dtype=t.dtype, device=t.device)
             low = None if lse_low is None else lse_low[b].to(t.dtype)
-            p = _exp_shifted(t, lse[b], p_buf, low).masked_fill_(~valid[:, None], 0.0)
+            # log p_j, kept in tmp for the entropy's gradient
+            log_p = tmp if grad_entropy is not None else None
+            p = _exp_shifted(t, lse[b], p_buf, low, log_p).masked_fill_(~valid[:, None], 0.0)
             masked = [
                 None if g is None else torch.where(valid, g[b].to(t.dtype), zero)
                 for g in (grad_loss, grad_logprob, grad_entropy)
             ]
-            log_p_ref = (lse[b], torch.zeros_like(lse[b]) if low is None else low)
             inputs = (t, tanh, p, None, safe_target, lse[b], entropy[b], params, masked, grad_out[b], tmp)
-            self._write_grad(*inputs, first_column, log_p_ref=log_p_ref)
+            self._write_grad(*inputs, first_column, log_p=log_p)
 
     def _write_grad(
         self,
@@ -248,14 +254,14 @@ class TorchTileOps(TargetApartForward):
         tmp,
         first_column=0,
         target_coef=None,
-        log_p_ref=None,
+        log_p=None,
     ):
         """The logits gradient of one block into ``grad_out``. ``e`` is the softmax times ``sum_exp`` per row (the
         softmax itself when ``sum_exp`` is None); it is overwritten, and so are ``tanh`` and ``tmp``. The block's
         columns are the vocabulary's from ``first_column`` on (a vocabulary chunk: ``t``, ``lse`` and ``entropy``
         are still the whole row's). With ``target_coef`` (whole rows only) the target column goes there instead.
-        ``upstream`` holds the rows' gradients of loss, logprob and entropy (None for 0); ``log_p_ref``, per row,
-        ``(ref, low)`` with ``log p_j = (t_j - ref) - low`` (for the entropy's gradient)."""
+        ``upstream`` holds the rows' gradients of loss, logprob and entropy (None for 0); an entropy gradient needs
+        ``log_p``, the block's log p_j, which it overwrites (it may be ``tmp``)."""
         grad_loss, grad_logprob, grad_entropy = upstream
         eps, vocab = params.label_smoothing, params.vocab
         zeros = torch.zeros_like(lse)
@@ -272,11 +278,9 @@ class TorchTileOps(TargetApartForward):
             p_coef = p_coef - grad_logprob
             onehot_coef = onehot_coef + grad_logprob
         if grad_entropy is not None:
-            # -g_H * p_j * (log p_j + H), log p_j from the reference pair: no difference of two large numbers
+            # -g_H * p_j * (log p_j + H), with log p_j from lse's pair: no difference of two large numbers
             if sum_exp is not None:
                 e.div_(sum_exp[:, None])
-            ref, low = log_p_ref
-            log_p = torch.sub(t, ref[:, None], out=tmp).sub_(low[:, None])
             grad = e.mul_(log_p.add_(entropy[:, None]).mul_(-grad_entropy[:, None]).add_(p_coef[:, None]))
         else:
             grad = e.mul_((p_coef if sum_exp is None else p_coef / sum_exp)[:, None])

@@ -669,12 +669,11 @@ class TritonTileOps:
             raise ValueError("an upstream gradient needs grad_out")
         # unused pointers: any tensor on the device
         spare = lse
-        if stats is not None:
-            lse_low = stats.lse_low
         outputs = [spare] * 5
         if stats is not None:
             outputs = [stats.loss, stats.logprob, stats.is_top1.view(torch.int8), stats.mean_logit]
             outputs.append(stats.log_sum_sq_probs)
+            lse_low = stats.lse_low
         vectors = []
         for g in upstream:
             g = spare if g is None else g
