@@ -1287,6 +1287,70 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         return (dx if need_dx else None), (dw if need_dw else None), (db if need_db else None), None, None
 
 
+class _RowSumBalance:
+    """Brings each row of a recomputed float32 gradient to its exact sum. The recomputing GEMM has another shape
+    than the forward's and may round each logit differently (cuBLAS picks its kernel by shape; on CPU a one-row chunk
+    takes a GEMV), while p_j = exp(t_j - lse) takes the forward's lse: a row's p_j then sum to 1 + d, off by
+    ``sum_j p_j (r_j - r'_j)`` for the two roundings r, r' (up to half an ulp of the logits each). Where the logits
+    share a large offset (lse ~ 170: 7.6e-6 per logit), ``d`` is a bias along W's mean row, which carries the offset,
+    and it took the per-token dX to 2-90x stock float32's error, dW to 40x at peaked rows (stock's p_j sum to 1 with
+    its own lse). Renormalizing p would move ``d`` onto every column in proportion to p_j, which needs P again; here
+    the target column takes its share ``d p_y`` (the whole defect at a peaked row) in dX, dW and db, and the rest
+    ``d (1 - p_y)`` goes to dX along W's mean row, which removes the bias and leaves the other columns' roundings as
+    noise of stock's kind. Each row's sum is taken in float64: a float32 sum of the row rounds by about as much as
+    the defect it measures. Only float32 gradients without a softcap: a 16-bit gradient rounds far more than this,
+    and a softcap's ``dt/dz`` differs by column, so its rows have no known sum."""
+
+    @staticmethod
+    def applies(plan: CallPlan, grad_dtype: torch.dtype) -> bool:
+        return grad_dtype == torch.float32 and plan.params.softcap is None
+
+    def __init__(self, plan: CallPlan, ys, lse, lse_low, g_loss):
+        self.plan, self.ys, self.lse, self.lse_low, self.g_loss = plan, ys, lse, lse_low, g_loss
+        self.sums = torch.zeros(ys.shape[0], dtype=torch.float64, device=ys.device)
+        self.target_logit = torch.zeros(ys.shape[0], dtype=torch.float32, device=ys.device)
+
+    def see_logits(self, logits: torch.Tensor, rows: slice, first_column: int) -> None:
+        """Takes the target logits of a recomputed chunk (rows ``rows``, columns ``first_column:``) before its
+        gradient pass writes over them."""
+        column = self.ys[rows] - first_column
+        inside = (column >= 0) & (column < logits.shape[1])
+        taken = logits.gather(1, torch.where(inside, column, 0).unsqueeze(1)).squeeze(1).float()
+        self.target_logit[rows] = torch.where(inside, taken, self.target_logit[rows])
+
+    def see_gradient(self, grad: torch.Tensor, rows: slice) -> None:
+        self.sums[rows] += grad.sum(1, dtype=torch.float64)
+
+    def apply(self, w_c: torch.Tensor, x_rows: torch.Tensor, dw, db, add_to_dx: Callable | None) -> None:
+        """Adds each row's share at its target column to ``dw`` and ``db`` (either may be None) and passes dX's
+        correction, ``[rows, H]`` float32, to ``add_to_dx``; ``x_rows`` are the rows (float32)."""
+        column, at_target, along_mean = self._corrections()
+        if add_to_dx is not None:
+            w_mean = w_c.mean(0, dtype=torch.float32)
+            add_to_dx((at_target * w_c.index_select(0, column)).addcmul_(along_mean, w_mean.unsqueeze(0)))
+        if dw is not None:
+            dw.index_add_(0, column, (x_rows * at_target).to(dw.dtype))
+        if db is not None:
+            db.index_add_(0, column, at_target.squeeze(1).to(db.dtype))
+
+    def _corrections(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each row's target column (0 at an ignored row), and what to add at that column and along W's mean row
+        (``[rows, 1]``, 0 at an ignored row)."""
+        params = self.plan.params
+        valid = self.ys != params.ignore_index
+        # sum_j dloss/dt_j = 2 z_loss lse (backends/base.py: the smoothing's and class weights' terms cancel), the
+        # log-prob's and the entropy's sum to 0; times dt/dz = 1 / temperature
+        wanted = torch.zeros_like(self.lse)
+        if self.g_loss is not None and params.z_loss:
+            wanted = self.g_loss * (2.0 * params.z_loss * params.inv_temperature) * self.lse
+        defect = torch.where(valid, wanted - self.sums, 0.0).to(torch.float32)
+        log_p = self.target_logit * params.inv_temperature - self.lse
+        if self.lse_low is not None:
+            log_p = log_p - self.lse_low
+        at_target = defect * log_p.exp().clamp(max=1.0)
+        return torch.where(valid, self.ys, 0), at_target.unsqueeze(1), (defect - at_target).unsqueeze(1)
+
+
 def _recompute_grads(
     x, weight, bias, target, rows, lse_v, ent_v, lse_low, kept, plan, g_loss, g_logp, g_ent, need_dx, need_dw, need_db
 ):
@@ -1358,6 +1422,9 @@ def _recompute_grads(
             (need_dx, need_dw, need_db),
             kept,
         )
+    balance = None
+    if fused is None and kept is None and _RowSumBalance.applies(plan, plan.compute_dtype or x.dtype):
+        balance = _RowSumBalance(plan, ys, lse_v, lse_low, gl)
     chunk_bytes = chunk * weight.shape[0] * per_logit
     grads = _GradBuffers(n, x.dtype, w_c, weight.dtype, n_chunks, need_dx, need_dw, need_db, rows, chunk_bytes)
     for start, end in _chunks(n_valid, chunk):
@@ -1375,13 +1442,28 @@ def _recompute_grads(
             logits = kept
             if logits is None:
                 logits = compute_logits(x_chunk, w_c, bias, logits_16bit)
+                if balance is not None:
+                    balance.see_logits(logits, sl, 0)
             grad_out = _grad_buffer(logits, x_chunk.dtype, plan.tiles)
             low = None if lse_low is None else lse_low[sl]
             plan.tiles.backward(logits, ys[sl], lse_v[sl], ent_v[sl], plan.params, *upstream, grad_out, lse_low=low)
             del logits
+            if balance is not None:
+                balance.see_gradient(grad_out, sl)
         grads.add(start, end, grad_out, x_chunk)
         del grad_out
-    return grads.finish()
+    dx, dw, db = grads.finish()
+    if balance is not None:
+
+        def add_to_dx(correction: torch.Tensor) -> None:
+            if rows is None:
+                dx.add_(correction)
+            else:
+                dx.index_add_(0, rows, correction.to(dx.dtype))
+
+        x_rows = _chunk_rows(x, rows, 0, n_valid, plan)
+        balance.apply(w_c, x_rows, dw, db, None if dx is None else add_to_dx)
+    return dx, dw, db
 
 
 # A vocabulary chunk's width on the tile path is a multiple of this: only the last chunk has a ragged GEMM tile.
@@ -1430,6 +1512,9 @@ def _recompute_by_columns(
     db = torch.empty(vocab, dtype=torch.float32, device=w_c.device) if need_db else None
     # each kept row's target column apart, in float32 (db would need it too: not with a bias)
     target_apart = fused is not None and bias is None and x_kept.dtype.itemsize == 2 and _target_column_apart()
+    balance = None
+    if fused is None and _RowSumBalance.applies(plan, x_kept.dtype):
+        balance = _RowSumBalance(plan, ys, lse_v, lse_low, upstream[0])
 
     def add_dw(start: int, end: int, grad: torch.Tensor, rows: torch.Tensor) -> None:
         """dW's rows ``start:end`` as ``grad^T rows``, in the weight's dtype (in float32 before its rounding)."""
@@ -1466,6 +1551,8 @@ def _recompute_by_columns(
                 target_apart=target_apart,
             )
         logits = compute_logits(x_kept, w_cols, b_cols, logits_16bit)
+        if balance is not None:
+            balance.see_logits(logits, slice(None), start)
         grad = _grad_buffer(logits, x_kept.dtype, plan.tiles)
         plan.tiles.backward(logits, ys, lse_v, ent_v, plan.params, *upstream, grad, first_column=start, lse_low=lse_low)
         return grad
@@ -1507,6 +1594,8 @@ def _recompute_by_columns(
     for start, end in _chunks(vocab - first, columns):
         start, end = first + start, min(first + end, vocab)
         grad = recompute(start, end)
+        if balance is not None:
+            balance.see_gradient(grad, slice(None))
         add(start, end, grad)
         del grad
     dx = None
@@ -1518,6 +1607,8 @@ def _recompute_by_columns(
             # added in the pass that casts the float32 sum and scatters it to the kept rows
             dx = (torch.empty if rows is None else torch.zeros)(x.shape, dtype=x.dtype, device=x.device)
             fused.write_dx(dx_acc, w_c, ys, target_column, dx, rows)
+    if balance is not None:
+        balance.apply(w_c, x_dw, dw, db, None if dx_acc is None else dx_acc.add_)
     if dx is None and dx_acc is not None:
         dx = _scatter_rows(dx_acc.to(x.dtype), rows, x.shape[0])
     return dx, dw, db
