@@ -363,15 +363,10 @@ def _ours_output(x, w, y, output, backend, budget):
     return {"loss": loss, "logprob": stats.logprobs, "entropy": stats.entropy}[output]
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton", "ascend"])
-@pytest.mark.parametrize("output", ["mean", "loss", "logprob", "entropy"])
-@pytest.mark.parametrize("peak", [0.0, 14.0], ids=["flat", "peaked"])
-@pytest.mark.parametrize("budget", [None, 40000], ids=["whole", "vocab-chunks"])
-def test_float32_at_a_shared_logit_offset_is_as_precise_as_stock(backend, output, peak, budget, request):
-    """Logits sharing an offset of 168 (lse ~ 170, as in the large-lse rows of some trained models), in float32: the
-    value and the gradients against float64 are within stock float32's error. One float32 lse carries half an ulp of
-    168 (7.6e-6) into every p_j, and the gradient's row sum with it, a bias along W's offset column that made the
-    per-token gradients 10-30x less precise than stock's (the pair ``lse``, ``lse_low`` of ``backends.base``)."""
+def _offset_errors(output, peak, ours, in_backward=None) -> dict[str, list[float]]:
+    """Relative errors against float64 of the value, dX and dW, stock float32's and ours (``ours(x32, w32, y)``), at
+    logits sharing an offset of 168 (``_offset_logits_problem``) under a random upstream gradient. ``in_backward``
+    (``_rounded_otherwise_in_backward``'s switch) is on during our backward."""
     x, w, y = _offset_logits_problem(168.0, peak)
     upstream = torch.randn(y.shape, dtype=torch.float64) if output != "mean" else torch.tensor(1.0, dtype=torch.float64)
     x64, w64 = x.clone().requires_grad_(), w.clone().requires_grad_()
@@ -380,15 +375,29 @@ def test_float32_at_a_shared_logit_offset_is_as_precise_as_stock(backend, output
     errors = {}
     for name in ("stock", "ours"):
         x32, w32 = x.float().requires_grad_(), w.float().requires_grad_()
-        if name == "stock":
-            got = _stock_output(x32, w32, y, output)
-        else:
-            got = _ours_output(x32, w32, y, output, backend, budget)
+        got = _stock_output(x32, w32, y, output) if name == "stock" else ours(x32, w32, y)
+        if in_backward is not None:
+            in_backward["on"] = name == "ours"
         (got * upstream.float()).sum().backward()
+        if in_backward is not None:
+            in_backward["on"] = False
         errors[name] = [
-            ((a.detach().double() - b.detach()).norm() / b.detach().norm()).item()
-            for a, b in ((got, want), (x32.grad, x64.grad), (w32.grad, w64.grad))
+            _rel_err(a.detach(), b.detach()) for a, b in ((got, want), (x32.grad, x64.grad), (w32.grad, w64.grad))
         ]
+    return errors
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton", "ascend"])
+@pytest.mark.parametrize("output", ["mean", "loss", "logprob", "entropy"])
+@pytest.mark.parametrize("peak", [0.0, 14.0], ids=["flat", "peaked"])
+@pytest.mark.parametrize("budget", [None, 40000], ids=["whole", "vocab-chunks"])
+def test_float32_at_a_shared_logit_offset_is_as_precise_as_stock(backend, output, peak, budget):
+    """Logits sharing an offset of 168 (lse ~ 170, as in the large-lse rows of some trained models), in float32: the
+    value and the gradients against float64 are within stock float32's error. One float32 lse carries half an ulp of
+    168 (7.6e-6) into every p_j, and the gradient's row sum with it, a bias along W's offset column that made the
+    per-token gradients 14-150x less precise than stock's (the pair ``lse``, ``lse_low`` of ``backends.base``).
+    The vocab-chunks budget makes the torch and Triton backends' per-token backward recompute the logits."""
+    errors = _offset_errors(output, peak, lambda x, w, y: _ours_output(x, w, y, output, backend, budget))
     for what, ours, stock in zip(("value", "dX", "dW"), errors["ours"], errors["stock"]):
         assert ours <= 1.5 * stock + 1e-6, (what, errors)
 
@@ -418,26 +427,11 @@ def test_float32_recompute_rounded_otherwise_than_the_forward(backend, output, p
     kernel by shape): its p_j = exp(t_j - lse) then sum to 1 + d with the forward's lse, and at a shared logit offset
     of 168 that bias along W's mean row took dX to 2-90x stock float32's error and dW to 15-40x at peaked rows.
     Each row brought to its exact sum (``engine._RowSumBalance``): dX within stock's error, dW within 3x (the two
-    roundings of each row's lse remain; up to 2.3x stock's over seeds)."""
-    x, w, y = _offset_logits_problem(168.0, peak)
-    upstream = torch.randn(y.shape, dtype=torch.float64)
-    x64, w64 = x.clone().requires_grad_(), w.clone().requires_grad_()
-    (_stock_output(x64, w64, y, output) * upstream).sum().backward()
+    roundings of each row's lse remain; up to 2.3x stock's over seeds). 60000 bytes: row chunks of two or three rows
+    in forward (one row would take the BLAS's GEMV, which rounds otherwise too), vocabulary chunks in backward."""
     in_backward = _rounded_otherwise_in_backward(monkeypatch)
-    errors = {}
-    for name in ("stock", "ours"):
-        x32, w32 = x.float().requires_grad_(), w.float().requires_grad_()
-        if name == "stock":
-            got = _stock_output(x32, w32, y, output)
-        else:
-            # 60000 bytes: row chunks of two or three rows in forward (one row would take the BLAS's GEMV, which
-            # rounds otherwise too), vocabulary chunks in backward
-            got = _ours_output(x32, w32, y, output, backend, 60000)
-        in_backward["on"] = name == "ours"
-        (got * upstream.float()).sum().backward()
-        in_backward["on"] = False
-        errors[name] = [_rel_err(a, b) for a, b in ((x32.grad, x64.grad), (w32.grad, w64.grad))]
-    (dx_ours, dw_ours), (dx_stock, dw_stock) = errors["ours"], errors["stock"]
+    errors = _offset_errors(output, peak, lambda x, w, y: _ours_output(x, w, y, output, backend, 60000), in_backward)
+    (_, dx_ours, dw_ours), (_, dx_stock, dw_stock) = errors["ours"], errors["stock"]
     assert dx_ours <= 1.5 * dx_stock + 1e-6, errors
     assert dw_ours <= 3.0 * dw_stock + 1e-6, errors
 
