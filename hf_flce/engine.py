@@ -1322,9 +1322,9 @@ class _RowSumBalance:
     def see_gradient(self, grad: torch.Tensor, rows: slice) -> None:
         self.sums[rows] += grad.sum(1)
 
-    def apply(self, w_c: torch.Tensor, x_rows: torch.Tensor, dw, db, add_to_dx: Callable | None) -> None:
+    def apply(self, w_c: torch.Tensor, x_rows: torch.Tensor | None, dw, db, add_to_dx: Callable | None) -> None:
         """Adds each row's share at its target column to ``dw`` and ``db`` (either may be None) and passes dX's
-        correction, ``[rows, H]`` float32, to ``add_to_dx``; ``x_rows`` are the rows (float32)."""
+        correction, ``[rows, H]`` float32, to ``add_to_dx``; ``x_rows`` are the rows (float32; only read for dw)."""
         column, at_target, along_mean = self._corrections()
         if add_to_dx is not None:
             w_mean = w_c.mean(0, dtype=torch.float32)
@@ -1462,7 +1462,7 @@ def _recompute_grads(
             else:
                 dx.index_add_(0, rows, correction.to(dx.dtype))
 
-        x_rows = _chunk_rows(x, rows, 0, n_valid, plan)
+        x_rows = None if dw is None else _chunk_rows(x, rows, 0, n_valid, plan)
         balance.apply(w_c, x_rows, dw, db, None if dx is None else add_to_dx)
     return dx, dw, db
 
