@@ -425,7 +425,7 @@ def _rounded_otherwise_in_backward(monkeypatch):
 def test_float32_recompute_rounded_otherwise_than_the_forward(backend, output, peak, monkeypatch):
     """A per-token backward that recomputes the logits with another rounding than the forward's (cuBLAS picks its
     kernel by shape): its p_j = exp(t_j - lse) then sum to 1 + d with the forward's lse, and at a shared logit offset
-    of 168 that bias along W's mean row took dX to 2-90x stock float32's error and dW to 15-40x at peaked rows.
+    of 168 that bias along W's mean row took dX to 2-90x stock float32's error and dW to 15-42x at peaked rows.
     Each row brought to its exact sum (``engine._RowSumBalance``): dX within stock's error, dW within 3x (the two
     roundings of each row's lse remain; up to 2.3x stock's over seeds). 60000 bytes: row chunks of two or three rows
     in forward (one row would take the BLAS's GEMV, which rounds otherwise too), vocabulary chunks in backward."""
