@@ -1323,16 +1323,23 @@ class _RowSumBalance:
         self.sums[rows] += grad.sum(1)
 
     def apply(self, w_c: torch.Tensor, x_rows: torch.Tensor | None, dw, db, add_to_dx: Callable | None) -> None:
-        """Adds each row's share at its target column to ``dw`` and ``db`` (either may be None) and passes dX's
-        correction, ``[rows, H]`` float32, to ``add_to_dx``; ``x_rows`` are the rows (float32; only read for dw)."""
+        """Adds each row's share at its target column to ``dw`` and ``db`` (either may be None; by the backend's
+        ``add_target_rows`` where it has one, deterministic) and passes dX's correction, ``[rows, H]`` float32, to
+        ``add_to_dx``; ``x_rows`` are the rows (float32; only read for dw)."""
         column, at_target, along_mean = self._corrections()
         if add_to_dx is not None:
             w_mean = w_c.mean(0, dtype=torch.float32)
             add_to_dx((at_target * w_c.index_select(0, column)).addcmul_(along_mean, w_mean.unsqueeze(0)))
-        if dw is not None:
-            dw.index_add_(0, column, (x_rows * at_target).to(dw.dtype))
-        if db is not None:
-            db.index_add_(0, column, at_target.squeeze(1).to(db.dtype))
+        add_rows = getattr(self.plan.tiles, "add_target_rows", None)
+        for grad, rows in ((dw, x_rows), (db, None)):
+            if grad is None:
+                continue
+            if rows is None:  # db: dW's rule on a column of ones
+                grad, rows = grad.unsqueeze(1), torch.ones_like(at_target)
+            if add_rows is not None:
+                add_rows(grad, rows, self.ys, at_target.squeeze(1), self.plan.params.ignore_index)
+            else:
+                grad.index_add_(0, column, (rows * at_target).to(grad.dtype))
 
     def _corrections(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Each row's target column (0 at an ignored row), and what to add at that column and along W's mean row

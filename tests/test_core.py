@@ -436,16 +436,19 @@ def test_float32_recompute_rounded_otherwise_than_the_forward(backend, output, p
     assert dw_ours <= 3.0 * dw_stock + 1e-6, errors
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("chunks", ["vocabulary", "rows"])
-def test_float32_recompute_row_sums_with_every_option(chunks, monkeypatch):
+def test_float32_recompute_row_sums_with_every_option(chunks, backend, monkeypatch):
     """The exact row sums that a recomputed float32 gradient is brought to (``engine._RowSumBalance``) carry the
     z-loss's ``2 z lse`` times dt/dz = 1 / temperature, while label smoothing's and class weights' terms sum to 0: a
-    wrong sum would move each row's target column (and the bias's gradient there) by the difference."""
+    wrong sum would move each row's target column (and the bias's gradient there) by the difference. The Triton
+    backend adds the target rows' share to dW and db by its deterministic ``add_target_rows``."""
     if chunks == "rows":
         monkeypatch.setenv("HF_FLCE_VOCAB_CHUNKS", "0")
     x, w, y, b = _problem(bias=True)
     kw = {**_kwargs(("label_smoothing", "class_weight", "temperature")), "z_loss": 0.05}
-    _compare(x, w, y, b, {**kw, "reduction": "none", "memory_budget": 3000}, grad_out_kind="random", stats_grads=True)
+    kw.update(reduction="none", memory_budget=3000)
+    _compare(x, w, y, b, kw, grad_out_kind="random", stats_grads=True, backend=backend)
 
 
 def test_frozen_backbone_and_frozen_head():

@@ -123,6 +123,9 @@ class TileOps(Protocol):
     # ``fused_head`` (0: any device it supports).
     # Optional: ``compaction``, a module with ``kept_order`` and ``read_later`` (``triton_gemm``'s), which compacts a
     # CUDA call's kept rows in one launch where ``fused_head`` is not taken (``engine._compaction``).
+    # Optional: ``add_target_rows(dw, x, target, coef, ignore_index)``, ``dW[y_i] += c_i x_i`` for every row ``i`` not
+    # ignored, with no atomics (deterministic; default: ``index_add_``, whose CUDA kernel sums repeated targets in any
+    # order).
     # Optional: ``scale_into(src, scale, out) -> out``, ``out = src * scale`` with a float32 0-d ``scale``, for the
     # final scaling of the gradients (default: ``torch.mul``).
 

@@ -216,11 +216,22 @@ def _add_segments(value, start, other_value, other_start):
 
 @triton.jit
 def _target_terms(
-    order_ptr, pos, ok, c_ptr, x_ptr, stride_xn, x_rows_ptr, cols, col_ok, HAS_ROWS: tl.constexpr, X_FP16: tl.constexpr
+    order_ptr,
+    pos,
+    ok,
+    c_ptr,
+    x_ptr,
+    stride_xn,
+    x_rows_ptr,
+    cols,
+    col_ok,
+    HAS_ROWS: tl.constexpr,
+    X_FP16: tl.constexpr,
+    X_ROUND: tl.constexpr,
 ):
     """``c_i x_i`` (float32 ``[positions, cols]``) of the kept rows at sorted positions ``pos``, 0 where not ``ok``.
-    Kept row ``i`` is row ``x_rows[i]`` of ``x`` (a compacted batch) or row ``i``; a float32 ``x`` is rounded to bf16
-    (fp16 with ``X_FP16``) first, as the dW GEMM's operand was (a 16-bit one is that operand)."""
+    Kept row ``i`` is row ``x_rows[i]`` of ``x`` (a compacted batch) or row ``i``; with ``X_ROUND`` a float32 ``x``
+    is rounded to bf16 (fp16 with ``X_FP16``) first, as the dW GEMM's operand was (a 16-bit one is that operand)."""
     row = tl.load(order_ptr + pos, mask=ok, other=0)
     c = tl.load(c_ptr + row, mask=ok, other=0.0)
     if HAS_ROWS:
@@ -228,7 +239,7 @@ def _target_terms(
     x = tl.load(
         x_ptr + row.to(tl.int64)[:, None] * stride_xn + cols[None, :], mask=ok[:, None] & col_ok[None, :], other=0.0
     )
-    if x_ptr.dtype.element_ty == tl.float32:
+    if X_ROUND and x_ptr.dtype.element_ty == tl.float32:
         x = x.to(tl.float16 if X_FP16 else tl.bfloat16)
     return c[:, None] * x.to(tl.float32)
 
@@ -255,6 +266,7 @@ def _target_rows_kernel(
     HAS_ROWS: tl.constexpr,
     HAS_HOT: tl.constexpr,
     X_FP16: tl.constexpr,
+    X_ROUND: tl.constexpr,
     BP: tl.constexpr,
     BH: tl.constexpr,
 ):
@@ -275,7 +287,9 @@ def _target_rows_kernel(
     ends = in_range & (v != ignore_index) & ((pos + 1 == n) | (after != v))
     starts = (pos == first) | (before != v)
     segment_starts = tl.broadcast_to(starts[:, None], (BP, BH))
-    terms = _target_terms(order_ptr, pos, in_range, c_ptr, x_ptr, stride_xn, x_rows_ptr, cols, col_ok, HAS_ROWS, X_FP16)
+    terms = _target_terms(
+        order_ptr, pos, in_range, c_ptr, x_ptr, stride_xn, x_rows_ptr, cols, col_ok, HAS_ROWS, X_FP16, X_ROUND
+    )
     sums, _ = tl.associative_scan((terms, segment_starts), 0, _add_segments)
     # the block's first run may have begun in an earlier block
     first_v = tl.load(sorted_y_ptr + first)
@@ -290,7 +304,7 @@ def _target_rows_kernel(
                 in_run = idx >= 0
                 in_run &= tl.load(sorted_y_ptr + idx, mask=in_run, other=ignore_index) == first_v
                 terms = _target_terms(
-                    order_ptr, idx, in_run, c_ptr, x_ptr, stride_xn, x_rows_ptr, cols, col_ok, HAS_ROWS, X_FP16
+                    order_ptr, idx, in_run, c_ptr, x_ptr, stride_xn, x_rows_ptr, cols, col_ok, HAS_ROWS, X_FP16, X_ROUND
                 )
                 earlier += tl.sum(terms, 0)
                 # the run goes on below this block only if all of the block is in it
@@ -483,14 +497,14 @@ class ScaledGradient:
         ignore_index: int,
         dw_upper: torch.Tensor | None = None,
         hot: tuple[torch.Tensor, torch.Tensor] | None = None,
-        operand_dtype: torch.dtype = torch.bfloat16,
+        operand_dtype: torch.dtype | None = torch.bfloat16,
     ) -> None:
         """``dW[y_i] += c_i x_i`` over every kept row of a call (in float32, each dW row updated once), after its last
         chunk: one sort and one launch per call. Kept row ``i`` is row ``x_rows[i]`` of ``x``, or row ``i`` without
         ``x_rows``; ``target`` and ``target_coef`` are per kept row. With ``dw_upper``, dW is split in two blocks of
         rows: ``dw`` holds its first ``dw.shape[0]`` rows and ``dw_upper`` the rest. With ``hot = (slot, rows)``,
         class ``v`` with ``slot[v] >= 0`` has its row at ``rows[slot[v]]`` (float32) instead. A float32 ``x`` is
-        rounded to ``operand_dtype`` first, as the dW GEMM's operand was."""
+        rounded to ``operand_dtype`` first, as the dW GEMM's operand was (None: not rounded)."""
         n, h = target.shape[0], x.shape[1]
         if n == 0:
             return
@@ -522,6 +536,7 @@ class ScaledGradient:
                 HAS_ROWS=x_rows is not None,
                 HAS_HOT=hot is not None,
                 X_FP16=operand_dtype == torch.float16,
+                X_ROUND=operand_dtype is not None,
                 BP=bp,
                 BH=bh,
                 num_warps=4,

@@ -784,6 +784,16 @@ class TritonTileOps:
         self._launch(logits, target, params, stats.lse, stats.entropy, (grad_scale, None, None), grad_out, stats)
         return stats
 
+    @staticmethod
+    def add_target_rows(
+        dw: torch.Tensor, x: torch.Tensor, target: torch.Tensor, coef: torch.Tensor, ignore_index: int
+    ) -> None:
+        """``dW[y_i] += c_i x_i`` with ``x`` as it is (float32 not rounded), each dW row updated once in a fixed order:
+        no atomics, so the result is bitwise the same run to run."""
+        from .triton_scaled import ScaledGradient  # it builds on this module's kernels
+
+        ScaledGradient.add_target_rows(dw, x, None, target, coef, ignore_index, operand_dtype=None)
+
     def forward_target_apart(
         self,
         logits: torch.Tensor,
