@@ -14,11 +14,14 @@ Two entry points:
 * :func:`vocab_parallel_linear_cross_entropy` is the op for a head split along the vocabulary: each rank of
   ``process_group`` holds rows ``[vocab_start, vocab_start + V_r)`` of ``W``, and the same ``hidden`` and ``target``.
 
-Vocabulary-parallel math, per row, with ``t`` the transformed logits and rank ``r`` holding the columns ``S_r``:
+Vocabulary-parallel math, per row, with ``t`` the transformed logits and rank ``r`` holding the columns ``S_r``,
+each sum taken against a max so that no offset the row's logits share enters a difference:
 
-    lse_r = log sum_{j in S_r} e^{t_j}        A_r = sum_{j in S_r} e^{t_j - lse_r} t_j   (= lse_r - H_r)
-    lse   = log sum_r e^{lse_r}               sum_j p_j t_j = sum_r e^{lse_r - lse} A_r     H = lse - sum_j p_j t_j
-    t_y from the rank that owns y,  sum_j t_j = sum_r sum_{j in S_r} t_j,  sum_j p_j^2 = sum_r e^{2(lse_r - lse)} q_r
+    m_r = max_{j in S_r} t_j    s_r = sum_{j in S_r} e^{t_j - m_r}    a_r = sum_{j in S_r} (e^{t_j - m_r} / s_r)(t_j - m_r)
+    M = max_r m_r               S = sum_r s_r e^{m_r - M}              lse = M + log S   (a float32 pair, base.lse_pair)
+    sum_j p_j (t_j - M) = sum_r (s_r e^{m_r - M} / S)(a_r + m_r - M)    H = log S - sum_j p_j (t_j - M)
+    log p_y = (t_y - M) - log S, t_y from the rank that owns y,  sum_j t_j = sum_r sum_{j in S_r} t_j,
+    sum_j p_j^2 = sum_r (s_r e^{m_r - M} / S)^2 q_r
 
 (``q_r`` the local ``sum p^2``). Forward is one GEMM per chunk plus three small all-reduces over per-row vectors (max,
 sum, and an int64 min for the first global argmax when stats are asked for). The gradient of the local logits uses
@@ -26,7 +29,8 @@ the global ``lse`` and ``H`` (formulas in :mod:`hf_flce.backends.base`); the one
 owns the target. A scalar loss's gradient is known in forward up to the upstream scalar: each chunk's statistics are
 all-reduced as soon as its logits are, and ``dX_r = G_r W_r`` and ``dW_r = G_r^T X`` are formed there (three GEMMs;
 every rank plans the same chunks, from the largest shard). Per-token upstream gradients are applied in backward, which
-recomputes each chunk's logits (or reuses them when the local ``[rows, V_r]`` block fits the memory budget). ``dX`` is
+recomputes each of the forward's chunks (GEMMs of the forward's shapes, which round alike, so that the p_j sum to 1
+against the forward's lse) or reuses the logits when the local ``[rows, V_r]`` block fits the memory budget. ``dX`` is
 all-reduced in backward. The tile contract of
 :mod:`hf_flce.backends` assumes the target column is in the tile, so this op does its passes with torch ops.
 """
@@ -43,7 +47,7 @@ from torch import nn
 
 from .api import FLCEStats, fused_linear_cross_entropy, loss_denominator
 from .backends import cdiv
-from .backends.base import TileParams
+from .backends.base import TileParams, lse_pair
 from .backends.torch_tiles import TorchTileOps
 from .engine import _chunks, _GradBuffers, _scatter_rows, compute_logits, first_derivative_only, kept_rows
 from .options import FLCEOptions, check_num_items, check_tensors, stats_request
@@ -101,16 +105,20 @@ def _local_target(target: torch.Tensor, start: int, size: int) -> tuple[torch.Te
 
 
 def _chunk_stats(t: torch.Tensor, y_local: torch.Tensor, owned: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Per-row statistics of one chunk of transformed local logits ``t`` ``[rows, V_r]``."""
+    """Per-row statistics of one chunk of transformed local logits ``t`` ``[rows, V_r]``, against the local max
+    ``m_r``: ``s_r = sum_j e^{t_j - m_r}`` and ``a_r = sum_j p_j (t_j - m_r)`` (local softmax) hold no offset that
+    the row's logits share, which ``_combine`` then removes exactly against the global max."""
     local_max, local_arg = t.max(dim=1)  # first maximal column, as argmax
     shift = torch.where(torch.isfinite(local_max), local_max, torch.zeros_like(local_max))
-    p = torch.exp(t - shift[:, None])
+    shifted = t - shift[:, None]
+    p = torch.exp(shifted)
     sum_exp = p.sum(dim=1)
     p /= sum_exp[:, None]
     target_logit = t.gather(1, y_local[:, None]).squeeze(1)
     return {
-        "lse": shift + torch.log(sum_exp),
-        "expected_t": torch.bmm(p.unsqueeze(1), t.unsqueeze(2)).view(-1),  # sum_j p_j t_j, local softmax
+        "shift": shift,
+        "sum_exp": sum_exp,
+        "expected_shifted": torch.bmm(p.unsqueeze(1), shifted.unsqueeze(2)).view(-1),
         "sum_sq": torch.linalg.vector_norm(p, dim=1).square(),
         "sum_t": t.sum(dim=1),
         "target_logit": torch.where(owned, target_logit, torch.zeros_like(target_logit)),
@@ -120,23 +128,35 @@ def _chunk_stats(t: torch.Tensor, y_local: torch.Tensor, owned: torch.Tensor) ->
 
 
 def _combine(local: dict[str, torch.Tensor], plan: _VPPlan) -> dict[str, torch.Tensor]:
-    """Global per-row statistics from every rank's partial ones (see the module docstring)."""
+    """Global per-row statistics from every rank's partial ones (see the module docstring). With ``M`` the global
+    max (an exact logit) and ``S = sum_r s_r e^{m_r - M}``, the lse is the float32 pair ``M + log S``
+    (``base.lse_pair``), and the log-prob and entropy are formed from ``t_y - M``, ``log S`` and
+    ``sum_j p_j (t_j - M)``: no difference of two numbers near a shared logit offset."""
     vocab, group = plan.params.vocab, plan.group
-    maxima = _all_reduce(torch.stack([local["lse"], local["max"]]), dist.ReduceOp.MAX, group)
-    lse_max, global_max = maxima[0], maxima[1]
-    lse_max = torch.where(torch.isfinite(lse_max), lse_max, torch.zeros_like(lse_max))
-    w = torch.exp(local["lse"] - lse_max)
+    global_max = _all_reduce(local["max"].clone(), dist.ReduceOp.MAX, group)
+    row_max = torch.where(torch.isfinite(global_max), global_max, torch.zeros_like(global_max))
+    offset = local["shift"] - row_max  # <= 0
+    w = local["sum_exp"] * torch.exp(offset)
     sums = torch.stack(
-        [w, w * local["expected_t"], w.square() * local["sum_sq"], local["sum_t"], local["target_logit"]]
+        [
+            w,
+            w * (local["expected_shifted"] + offset),
+            w.square() * local["sum_sq"],
+            local["sum_t"],
+            local["target_logit"],
+        ]
     )
     sum_w, sum_wa, sum_sq, sum_t, target_logit = _all_reduce(sums, dist.ReduceOp.SUM, group)
-    lse = lse_max + torch.log(sum_w)
+    log_sum_exp = torch.log(sum_w)
+    lse, lse_low = lse_pair(row_max, log_sum_exp)
     out = {
         "lse": lse,
-        "entropy": lse - sum_wa / sum_w,
-        "log_sum_sq_probs": torch.log(sum_sq) - 2.0 * torch.log(sum_w),
+        "lse_low": lse_low,
+        "log_sum_exp": log_sum_exp,
+        "target_minus_max": target_logit - row_max,
+        "entropy": log_sum_exp - sum_wa / sum_w,
+        "log_sum_sq_probs": torch.log(sum_sq) - 2.0 * log_sum_exp,
         "mean_logit": sum_t / vocab,
-        "target_logit": target_logit,
         "sum_t": sum_t,
     }
     if plan.need_top1:
@@ -147,30 +167,33 @@ def _combine(local: dict[str, torch.Tensor], plan: _VPPlan) -> dict[str, torch.T
 
 
 def _row_loss(stats: dict[str, torch.Tensor], params: TileParams) -> torch.Tensor:
-    """``(1 - eps)(lse - t_y) + eps/V sum_j (lse - t_j) + z lse^2`` (no class weights)."""
+    """``(1 - eps)(lse - t_y) + eps/V sum_j (lse - t_j) + z lse^2`` (no class weights), the first term as
+    ``log S - (t_y - M)``."""
     eps, lse = params.label_smoothing, stats["lse"]
-    loss = (1.0 - eps) * (lse - stats["target_logit"])
+    loss = (1.0 - eps) * (stats["log_sum_exp"] - stats["target_minus_max"])
     if eps:
-        loss = loss + eps * (lse - stats["sum_t"] / params.vocab)
+        loss = loss + (eps / params.vocab) * (params.vocab * lse - stats["sum_t"])
     if params.z_loss:
         loss = loss + params.z_loss * lse.square()
     return loss
 
 
-def _logits_grad(t, tanh, y_local, owned, lse, entropy, g_loss, g_logp, g_ent, params: TileParams) -> torch.Tensor:
+def _logits_grad(t, tanh, y_local, owned, lse, lse_low, entropy, g_loss, g_logp, g_ent, params: TileParams):
     """Gradient of the local logits chunk for per-row upstream gradients (float32 ``[rows]``, ``None`` for zero),
-    with the global ``lse`` and entropy; ``t, tanh`` are the chunk's transformed logits (``TorchTileOps._transform``).
+    with the global lse pair and entropy; ``t, tanh`` are the chunk's transformed logits (``TorchTileOps._transform``).
     Overwrites nothing it does not own; returns a new float32 tensor."""
     eps = params.label_smoothing
-    p = torch.exp(t - lse[:, None])
+    # log p_j = (t_j - lse) - lse_low: the pair's low part taken after the difference, where it is not lost
+    log_p = (t - lse[:, None]).sub_(lse_low[:, None])
+    p = torch.exp(log_p) if g_ent is not None else log_p.exp_()
     p_coef = g_loss * (1.0 + 2.0 * params.z_loss * lse) if params.z_loss else g_loss
     onehot_coef = -(1.0 - eps) * g_loss
     if g_logp is not None:
         p_coef = p_coef - g_logp
         onehot_coef = onehot_coef + g_logp
     if g_ent is not None:
-        p_coef = p_coef + g_ent * (lse - entropy)
-        grad = p * (p_coef[:, None] - g_ent[:, None] * t)
+        # dH/dt_j = -p_j (log p_j + H)
+        grad = p.mul_(log_p.add_(entropy[:, None]).mul_(-g_ent[:, None]).add_(p_coef[:, None]))
     else:
         grad = p.mul_(p_coef[:, None])
     grad.scatter_add_(1, y_local[:, None], torch.where(owned, onehot_coef, 0.0)[:, None])
@@ -229,6 +252,7 @@ class _VocabParallelFunction(torch.autograd.Function):
                     y_local[rows_of],
                     owned[rows_of],
                     part["lse"],
+                    part["lse_low"],
                     part["entropy"],
                     per_unit[rows_of],
                     None,
@@ -249,13 +273,18 @@ class _VocabParallelFunction(torch.autograd.Function):
             loss = _scatter_rows(loss_v, rows, n)
         else:
             loss = loss_v.sum() / plan.denominator
-        logp = stats["target_logit"] - stats["lse"]
+        logp = stats["target_minus_max"] - stats["log_sum_exp"]
         per_row = (logp, stats["entropy"], stats["lse"], top1, stats["mean_logit"], stats["log_sum_sq_probs"])
         outputs = (loss, *(_scatter_rows(v, rows, n) for v in per_row))
         ctx.mark_non_differentiable(*outputs[3:])
         ctx.plan, ctx.n, ctx.need_grad = plan, n, need_grad
         if need_grad:
-            ctx.save_for_backward(x, weight, bias, rows, y_local, owned, stats["lse"], stats["entropy"])
+            ctx.save_for_backward(
+                x, weight, bias, rows, y_local, owned, stats["lse"], stats["lse_low"], stats["entropy"]
+            )
+            # backward recomputes the logits by the same row chunks: GEMMs of the same shapes round alike, so its
+            # p_j sum to 1 against the forward's lse as the forward's did
+            ctx.chunk = chunk
             ctx.kept = kept  # reused once, then recomputed (a second backward under retain_graph)
             ctx.eager_grads = grads  # handed out by the first backward; a second one recomputes
         return outputs
@@ -269,7 +298,7 @@ class _VocabParallelFunction(torch.autograd.Function):
         eager_grads, ctx.eager_grads = ctx.eager_grads, None
         if g_loss is None and g_logp is None and g_ent is None:
             return None, None, None, None, None
-        x, weight, bias, rows, y_local, owned, lse, entropy = ctx.saved_tensors
+        x, weight, bias, rows, y_local, owned, lse, lse_low, entropy = ctx.saved_tensors
         plan = ctx.plan
         n_valid = rows.numel()
         need = ctx.needs_input_grad[:3]
@@ -288,22 +317,9 @@ class _VocabParallelFunction(torch.autograd.Function):
                 gl = (g_loss.to(torch.float32) / plan.denominator).expand(n_valid)
             else:
                 gl = per_row(g_loss)
-            pdx, pdw, pdb = _recompute_grads(
-                x,
-                weight,
-                bias,
-                rows,
-                y_local,
-                owned,
-                lse,
-                entropy,
-                kept,
-                gl,
-                per_row(g_logp),
-                per_row(g_ent),
-                plan,
-                need,
-            )
+            upstream = (gl, per_row(g_logp), per_row(g_ent))
+            row_stats = (y_local, owned, lse, lse_low, entropy)
+            pdx, pdw, pdb = _recompute_grads(x, weight, bias, rows, row_stats, upstream, kept, ctx.chunk, plan, need)
             dx = pdx if dx is None else (dx if pdx is None else dx + pdx)
             dw = pdw if dw is None else (dw if pdw is None else dw + pdw)
             db = pdb if db is None else (db if pdb is None else db + pdb)
@@ -315,12 +331,12 @@ class _VocabParallelFunction(torch.autograd.Function):
         return dx, dw, db, None, None
 
 
-def _recompute_grads(x, weight, bias, rows, y_local, owned, lse, entropy, kept, gl, glp, ge, plan: _VPPlan, need):
-    """This rank's dX part (kept rows), dW and db for per-row upstream gradients, the logits recomputed by chunks
-    (or ``kept``, the forward's when they fitted the budget)."""
+def _recompute_grads(x, weight, bias, rows, row_stats, upstream, kept, chunk: int, plan: _VPPlan, need):
+    """This rank's dX part (kept rows), dW and db for per-row upstream gradients ``(loss, logp, entropy)``, the
+    logits recomputed by the forward's row chunks of ``chunk`` rows (or ``kept``, the forward's own when they fitted
+    the budget). ``row_stats`` are the kept rows' ``(y_local, owned, lse, lse_low, entropy)``."""
     n_valid = rows.numel()
     xs = x.index_select(0, rows)
-    chunk = max(n_valid, 1) if kept is not None else max(1, plan.budget // (weight.shape[0] * _BYTES_PER_LOGIT))
     n_chunks = cdiv(n_valid, chunk)
     chunk_bytes = chunk * weight.shape[0] * _BYTES_PER_LOGIT
     grads = _GradBuffers(n_valid, xs.dtype, weight, weight.dtype, n_chunks, *need, chunk_bytes=chunk_bytes)
@@ -329,13 +345,8 @@ def _recompute_grads(x, weight, bias, rows, y_local, owned, lse, entropy, kept, 
         logits = kept if kept is not None else compute_logits(xs[sl], weight, bias)
         grad = _logits_grad(
             *_TILES._transform(logits, plan.params),
-            y_local[sl],
-            owned[sl],
-            lse[sl],
-            entropy[sl],
-            gl[sl],
-            None if glp is None else glp[sl],
-            None if ge is None else ge[sl],
+            *(v[sl] for v in row_stats),
+            *(None if g is None else g[sl] for g in upstream),
             plan.params,
         )
         grads.add(start, end, grad.to(x.dtype), xs[sl])

@@ -11,6 +11,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.nn.functional as F
+from offset_utils import offset_errors, rel_err
 from torch.utils.checkpoint import checkpoint
 
 import hf_flce
@@ -330,61 +331,12 @@ def test_fp16_and_bf16_inputs_close_to_fp32_truth():
             assert ((g.double() - r).norm() / r.norm()).item() < tol
 
 
-def _offset_logits_problem(offset: float, peak: float, n: int = 48, h: int = 32, v: int = 1000):
-    """float64 leaves whose logits share ``offset`` (through a column of ones in x against a column of ``offset`` in
-    W, as a trained model's share one along W's mean row), with each target's logit raised by ``peak``."""
-    w = torch.randn(v, h, dtype=torch.float64) / h**0.5
-    y = torch.randint(0, v, (n,))
-    y[::7] = -100
-    x = torch.randn(n, h, dtype=torch.float64) + peak * w[y] / w[y].square().sum(1, keepdim=True)
-    x = torch.cat([x, torch.ones(n, 1, dtype=torch.float64)], 1)
-    w = torch.cat([w, torch.full((v, 1), offset, dtype=torch.float64)], 1)
-    return x, w, y
-
-
-def _stock_output(x, w, y, output):
-    z = x @ w.T
-    if output == "mean":
-        return F.cross_entropy(z, y)
-    if output == "loss":
-        return F.cross_entropy(z, y, reduction="none")
-    keep = (y != -100).to(z.dtype)
-    log_p = z.log_softmax(-1)
-    if output == "logprob":
-        return log_p.gather(1, y.clamp(min=0)[:, None]).squeeze(1) * keep
-    return -(log_p.exp() * log_p).sum(-1) * keep
-
-
 def _ours_output(x, w, y, output, backend, budget):
     kw = dict(backend=backend, memory_budget=budget)
     if output == "mean":
         return hf_flce.fused_linear_cross_entropy(x, w, y, **kw)
     loss, stats = hf_flce.fused_linear_cross_entropy(x, w, y, reduction="none", return_stats=True, **kw)
     return {"loss": loss, "logprob": stats.logprobs, "entropy": stats.entropy}[output]
-
-
-def _offset_errors(output, peak, ours, in_backward=None) -> dict[str, list[float]]:
-    """Relative errors against float64 of the value, dX and dW, stock float32's and ours (``ours(x32, w32, y)``), at
-    logits sharing an offset of 168 (``_offset_logits_problem``) under a random upstream gradient. ``in_backward``
-    (``_rounded_otherwise_in_backward``'s switch) is on during our backward."""
-    x, w, y = _offset_logits_problem(168.0, peak)
-    upstream = torch.randn(y.shape, dtype=torch.float64) if output != "mean" else torch.tensor(1.0, dtype=torch.float64)
-    x64, w64 = x.clone().requires_grad_(), w.clone().requires_grad_()
-    want = _stock_output(x64, w64, y, output)
-    (want * upstream).sum().backward()
-    errors = {}
-    for name in ("stock", "ours"):
-        x32, w32 = x.float().requires_grad_(), w.float().requires_grad_()
-        got = _stock_output(x32, w32, y, output) if name == "stock" else ours(x32, w32, y)
-        if in_backward is not None:
-            in_backward["on"] = name == "ours"
-        (got * upstream.float()).sum().backward()
-        if in_backward is not None:
-            in_backward["on"] = False
-        errors[name] = [
-            _rel_err(a.detach(), b.detach()) for a, b in ((got, want), (x32.grad, x64.grad), (w32.grad, w64.grad))
-        ]
-    return errors
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton", "ascend"])
@@ -397,7 +349,7 @@ def test_float32_at_a_shared_logit_offset_is_as_precise_as_stock(backend, output
     168 (7.6e-6) into every p_j, and the gradient's row sum with it, a bias along W's offset column that made the
     per-token gradients 14-150x less precise than stock's (the pair ``lse``, ``lse_low`` of ``backends.base``).
     The vocab-chunks budget makes the torch and Triton backends' per-token backward recompute the logits."""
-    errors = _offset_errors(output, peak, lambda x, w, y: _ours_output(x, w, y, output, backend, budget))
+    errors = offset_errors(output, peak, lambda x, w, y: _ours_output(x, w, y, output, backend, budget))
     for what, ours, stock in zip(("value", "dX", "dW"), errors["ours"], errors["stock"]):
         assert ours <= 1.5 * stock + 1e-6, (what, errors)
 
@@ -430,7 +382,7 @@ def test_float32_recompute_rounded_otherwise_than_the_forward(backend, output, p
     roundings of each row's lse remain; up to 2.3x stock's over seeds). 60000 bytes: row chunks of two or three rows
     in forward (one row would take the BLAS's GEMV, which rounds otherwise too), vocabulary chunks in backward."""
     in_backward = _rounded_otherwise_in_backward(monkeypatch)
-    errors = _offset_errors(output, peak, lambda x, w, y: _ours_output(x, w, y, output, backend, 60000), in_backward)
+    errors = offset_errors(output, peak, lambda x, w, y: _ours_output(x, w, y, output, backend, 60000), in_backward)
     (_, dx_ours, dw_ours), (_, dx_stock, dw_stock) = errors["ours"], errors["stock"]
     assert dx_ours <= 1.5 * dx_stock + 1e-6, errors
     assert dw_ours <= 3.0 * dw_stock + 1e-6, errors
@@ -844,10 +796,6 @@ def test_cpu_16bit_chunks_with_the_target_column_in_keep_dw_in_float32():
     assert ((dw_product(g, xs).double() - exact).norm() / exact.norm()).item() < 1e-6
 
 
-def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.double() - want).norm() / want.norm()).item()
-
-
 # the torch backend on CPU, and on a CUDA GPU (cuBLAS float32 logits, the gradient in their rows' tails)
 TORCH_DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -919,11 +867,11 @@ def test_16bit_chunks_sum_dw_in_the_gradient_with_the_target_column_apart(names,
     stock = _stock_grads(x, w, y, kw)
     torch.testing.assert_close(new[0], old[0], rtol=1e-6, atol=0.0)
     assert new[1].dtype == new[2].dtype == torch.bfloat16
-    dx_err, dw_err = _rel_err(new[1], leaves[0].grad), _rel_err(new[2], leaves[1].grad)
-    assert dx_err <= 1.05 * _rel_err(old[1], leaves[0].grad), dx_err
+    dx_err, dw_err = rel_err(new[1], leaves[0].grad), rel_err(new[2], leaves[1].grad)
+    assert dx_err <= 1.05 * rel_err(old[1], leaves[0].grad), dx_err
     saturated = peaked and "softcap" in names
     margin = 1.8 if saturated else 1.05
-    assert dw_err <= margin * _rel_err(stock[1].cpu(), leaves[1].grad), dw_err
+    assert dw_err <= margin * rel_err(stock[1].cpu(), leaves[1].grad), dw_err
 
 
 @pytest.mark.parametrize("device", TORCH_DEVICES)

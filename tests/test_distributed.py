@@ -24,6 +24,7 @@ HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 
 TORCH_SCENARIOS = [
     "vocab_parallel",
+    "vocab_parallel_offset",
     "dtensor_head",
     "ddp",
     "ddp_defer_head_grad",
