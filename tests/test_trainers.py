@@ -410,6 +410,61 @@ def test_head_under_no_grad_and_generation(tokenizer):
         ours(input_ids=ids, fused_lm_head=True)
 
 
+def test_head_copies_pickles_and_frees_as_its_model(tokenizer, tmp_path):
+    """``add_flce_lm_head`` binds its forward to the model weakly and rebinds it on a copy: ``copy.deepcopy`` (a
+    reference model, an EMA copy) and ``torch.save``/``torch.load`` give a model whose forward, fused or not, runs the
+    copy's weights (the first version's plain forward ran the original's), and ``del model`` frees the model with
+    no reference cycle left for the garbage collector. A head over an instance patch, or over an earlier head, calls
+    that forward for its plain one."""
+    import gc
+    import pickle
+
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from hf_flce import apply_flce
+    from hf_flce.trainers.head import has_flce_head
+
+    ids = torch.randint(0, len(tokenizer), (2, 7))
+    stock = build_tiny_model(tokenizer)
+    for base in ("class", "instance patch", "earlier head"):
+        model = copy.deepcopy(stock)
+        if base == "instance patch":
+            apply_flce(model, backend="torch")
+        elif base == "earlier head":
+            add_flce_lm_head(model, outputs=("log_probs",))
+        add_flce_lm_head(model, outputs=("log_probs", "entropy"))
+        torch.save(model, tmp_path / "model.pt")
+        copies = [copy.deepcopy(model), torch.load(tmp_path / "model.pt", weights_only=False)]
+        for other in copies:
+            with torch.no_grad():
+                for param in other.parameters():
+                    param.mul_(1.5)
+            moved = copy.deepcopy(stock)
+            moved.load_state_dict(other.state_dict())
+            assert has_flce_head(other) and other.forward.__self__ is other
+            torch.testing.assert_close(other(input_ids=ids).logits, moved(input_ids=ids).logits, rtol=0, atol=0)
+            fused = other(input_ids=ids, labels=ids, fused_lm_head=True)
+            assert fused.entropy is not None
+            logits = moved(input_ids=ids).logits[:, :-1].double()
+            want = logits.log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+            torch.testing.assert_close(fused.log_probs.double(), want, rtol=RTOL, atol=ATOL)
+            if base == "instance patch":  # the plain forward is the patch's: a loss without logits
+                out = other(input_ids=ids, labels=ids)
+                assert out.logits is None and out.loss is not None
+        pickle.dumps(model)
+        model(input_ids=ids, labels=ids, fused_lm_head=True, fused_loss_type="nll").loss.backward()
+        weight = StorageWeakRef(model.lm_head.weight.untyped_storage())
+        forward = model.forward
+        gc.disable()
+        try:
+            del model
+            assert weight.expired(), base
+        finally:
+            gc.enable()
+        with pytest.raises(ReferenceError, match="model has been deleted"):
+            forward(input_ids=ids)
+
+
 def _recorded_budgets(monkeypatch) -> list:
     """The ``memory_budget`` each fused-head call passes to the op, recorded while the real op runs."""
     from hf_flce.trainers import head

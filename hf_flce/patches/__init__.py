@@ -318,15 +318,18 @@ def _state(cls: type, target: Target, options: PatchOptions | None) -> PatchStat
 
 
 class InstanceForward:
-    """A fused forward bound to one model, as ``MethodType(forward, model)`` would be, except that it pickles:
+    """A fused forward bound to one model, as ``MethodType(forward, model)`` would be, except that it pickles and
+    deep-copies as ``rebind(model, *rebind_args)`` (by default :func:`_bound_fused_forward`), with the copy's model:
     a bound method pickles as ``getattr(model, forward.__name__)``, which no model has, so ``torch.save(model)``
-    could not be loaded. This one pickles as its model and is bound again on load (:func:`_bound_fused_forward`).
-    It holds its model weakly: the model holds it, and a strong reference back would keep a deleted model (its
-    weights and gradients) alive until the garbage collector finds the cycle, where stock frees it on ``del``."""
+    could not be loaded. It holds its model weakly: the model holds it, and a strong reference back would keep a
+    deleted model (its weights and gradients) alive until the garbage collector finds the cycle, where stock frees
+    it on ``del``."""
 
-    def __init__(self, forward, model: nn.Module):
+    def __init__(self, forward, model: nn.Module, rebind=None, rebind_args: tuple = ()):
         self.__func__ = forward
         self._model = weakref.ref(model)
+        self._rebind = _bound_fused_forward if rebind is None else rebind
+        self._rebind_args = rebind_args
 
     @property
     def __self__(self) -> nn.Module:
@@ -343,7 +346,7 @@ class InstanceForward:
         return inspect.signature(MethodType(self.__func__, self.__self__))
 
     def __reduce__(self):
-        return _bound_fused_forward, (self.__self__,)
+        return self._rebind, (self.__self__, *self._rebind_args)
 
 
 def _bound_fused_forward(model: nn.Module) -> InstanceForward:

@@ -22,6 +22,7 @@ from trl.trainer.utils import FusedCausalLMOutput
 
 from ..distributed import head_linear_cross_entropy, linear_of
 from ..options import in_model_budget
+from ..patches import InstanceForward
 from ..patches.forward import op_transform
 from ..patches.late_head_grad import LateHeadGrad
 
@@ -100,10 +101,29 @@ def add_flce_lm_head(
         raise ValueError(f"unknown fused-head outputs {sorted(unknown)}")
     if not isinstance(defer_head_grad, bool):
         raise TypeError(f"defer_head_grad must be a bool, got {defer_head_grad!r}")
-    original_forward = model.forward
-    text_config = model.config.get_text_config()
-    op_temperature, op_softcap = op_transform(text_config, temperature)
-    op_kwargs = dict(temperature=op_temperature, softcap=op_softcap, backend=backend)
+    settings = _HeadSettings(temperature, cast_lm_head_to_fp32, tuple(outputs), backend, memory_budget, defer_head_grad)
+    model.forward = _head_forward(model, model.__dict__.get("forward"), settings)
+
+
+@dataclass(frozen=True)
+class _HeadSettings:
+    """:func:`add_flce_lm_head`'s arguments, kept with its forward to build a copy's."""
+
+    temperature: float
+    cast_lm_head_to_fp32: bool
+    outputs: tuple[str, ...]
+    backend: str
+    memory_budget: int | None
+    defer_head_grad: bool
+
+
+def _head_forward(model, plain_forward, settings: _HeadSettings) -> InstanceForward:
+    """:func:`add_flce_lm_head`'s forward for ``model``, bound to it weakly; without ``fused_lm_head`` it calls
+    ``plain_forward``, the forward the instance had of its own (a patch, a wrapper), or the class's where it had
+    none. ``copy.deepcopy`` and pickling make the copy's own (its plain forward the copy's too). The config is read
+    at each call."""
+    outputs, defer_head_grad = settings.outputs, settings.defer_head_grad
+    class_forward = type(model).forward  # the model may be a copy whose attributes are not set yet: its class only
     # the op computes only the statistics these outputs read (TRL's names -> FLCEStats fields)
     wanted_stats = {"mean_logit" if name == "mean_logits" else name for name in outputs if name != "log_probs"}
 
@@ -121,7 +141,8 @@ def add_flce_lm_head(
     ):
         if not fused_lm_head:
             extra = {"labels": labels, "shift_labels": shift_labels, "num_items_in_batch": num_items_in_batch}
-            return original_forward(*args, **kwargs, **{k: v for k, v in extra.items() if v is not None})
+            forward = functools.partial(class_forward, self) if plain_forward is None else plain_forward
+            return forward(*args, **kwargs, **{k: v for k, v in extra.items() if v is not None})
         if labels is None and shift_labels is None:
             raise ValueError("fused_lm_head=True needs `labels` (or `shift_labels`)")
         if fused_loss_type not in (None, *FUSED_LOSS_TYPES):
@@ -135,6 +156,9 @@ def add_flce_lm_head(
             )
 
         kwargs["use_cache"] = False
+        text_config = self.config.get_text_config()
+        op_temperature, op_softcap = op_transform(text_config, settings.temperature)
+        op_kwargs = dict(temperature=op_temperature, softcap=op_softcap, backend=settings.backend)
         if getattr(text_config, "output_router_logits", False):
             kwargs.setdefault("output_router_logits", True)
         # Looked up on each call: FSDP and PEFT replace the backbone and the head after patching.
@@ -155,14 +179,14 @@ def add_flce_lm_head(
         targets = targets.to(hidden.device)
         mask = targets != IGNORE_INDEX
         # the budget is resolved where the hidden states are: its default depends on the device
-        call_kwargs = {**op_kwargs, "memory_budget": in_model_budget(memory_budget, hidden.device)}
+        call_kwargs = {**op_kwargs, "memory_budget": in_model_budget(settings.memory_budget, hidden.device)}
         # Run as lm_head's own forward, so FSDP1/FSDP2/ZeRO-3 gather the weight as they would for logits.
         head_loss = functools.partial(
             head_linear_cross_entropy if late is None else late.loss,
             lm_head,
             hidden,
             targets,
-            upcast=cast_lm_head_to_fp32,
+            upcast=settings.cast_lm_head_to_fp32,
             return_stats=wanted_stats,
         )
         if fused_loss_type is not None:
@@ -203,7 +227,7 @@ def add_flce_lm_head(
         return FLCECausalLMOutput(loss=loss, token_loss=token_loss, aux_loss=aux_loss, **fields)
 
     setattr(flce_forward, _HEAD_MARK, True)
-    model.forward = types.MethodType(flce_forward, model)
+    return InstanceForward(flce_forward, model, rebind=_head_forward, rebind_args=(plain_forward, settings))
 
 
 def has_flce_head(model) -> bool:
