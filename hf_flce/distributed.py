@@ -111,15 +111,14 @@ def _chunk_stats(t: torch.Tensor, y_local: torch.Tensor, owned: torch.Tensor) ->
     local_max, local_arg = t.max(dim=1)  # first maximal column, as argmax
     shift = torch.where(torch.isfinite(local_max), local_max, torch.zeros_like(local_max))
     shifted = t - shift[:, None]
-    p = torch.exp(shifted)
-    sum_exp = p.sum(dim=1)
-    p /= sum_exp[:, None]
+    e = torch.exp(shifted)
+    sum_exp = e.sum(dim=1)
     target_logit = t.gather(1, y_local[:, None]).squeeze(1)
     return {
         "shift": shift,
         "sum_exp": sum_exp,
-        "expected_shifted": torch.bmm(p.unsqueeze(1), shifted.unsqueeze(2)).view(-1),
-        "sum_sq": torch.linalg.vector_norm(p, dim=1).square(),
+        "expected_shifted": torch.bmm(e.unsqueeze(1), shifted.unsqueeze(2)).view(-1) / sum_exp,
+        "sum_sq": (torch.linalg.vector_norm(e, dim=1) / sum_exp).square(),
         "sum_t": t.sum(dim=1),
         "target_logit": torch.where(owned, target_logit, torch.zeros_like(target_logit)),
         "max": local_max,
@@ -183,19 +182,23 @@ def _logits_grad(t, tanh, y_local, owned, lse, lse_low, entropy, g_loss, g_logp,
     with the global lse pair and entropy; ``t, tanh`` are the chunk's transformed logits (``TorchTileOps._transform``).
     Overwrites nothing it does not own; returns a new float32 tensor."""
     eps = params.label_smoothing
-    # log p_j = (t_j - lse) - lse_low: the pair's low part taken after the difference, where it is not lost
-    log_p = (t - lse[:, None]).sub_(lse_low[:, None])
-    p = torch.exp(log_p) if g_ent is not None else log_p.exp_()
     p_coef = g_loss * (1.0 + 2.0 * params.z_loss * lse) if params.z_loss else g_loss
     onehot_coef = -(1.0 - eps) * g_loss
     if g_logp is not None:
         p_coef = p_coef - g_logp
         onehot_coef = onehot_coef + g_logp
+    # p_j = e^{d_j} c with d_j = t_j - lse and c = e^{-lse_low}: the pair's low part is a row factor, folded into the
+    # row coefficients (no pass over the chunk for it), and log p_j = d_j - lse_low
+    shifted = t - lse[:, None]
+    low_factor = torch.exp(-lse_low)
     if g_ent is not None:
-        # dH/dt_j = -p_j (log p_j + H)
-        grad = p.mul_(log_p.add_(entropy[:, None]).mul_(-g_ent[:, None]).add_(p_coef[:, None]))
+        # dH/dt_j = -p_j (log p_j + H): p_coef p_j - g_H p_j (log p_j + H) = e^{d_j} (a - b d_j)
+        row_const = low_factor * (p_coef - g_ent * (entropy - lse_low))
+        row_slope = low_factor * g_ent
+        grad = torch.exp(shifted)
+        grad.mul_(torch.addcmul(row_const[:, None], shifted, row_slope[:, None], value=-1.0, out=shifted))
     else:
-        grad = p.mul_(p_coef[:, None])
+        grad = shifted.exp_().mul_((low_factor * p_coef)[:, None])
     grad.scatter_add_(1, y_local[:, None], torch.where(owned, onehot_coef, 0.0)[:, None])
     if eps:
         grad -= (g_loss * (eps / params.vocab))[:, None]
