@@ -414,10 +414,12 @@ def test_head_copies_pickles_and_frees_as_its_model(tokenizer, tmp_path):
     """``add_flce_lm_head`` binds its forward to the model weakly and rebinds it on a copy: ``copy.deepcopy`` (a
     reference model, an EMA copy) and ``torch.save``/``torch.load`` give a model whose forward, fused or not, runs the
     copy's weights (the first version's plain forward ran the original's), and ``del model`` frees the model with
-    no reference cycle left for the garbage collector. A head over an instance patch, or over an earlier head, calls
-    that forward for its plain one."""
+    no reference cycle left for the garbage collector. A head over an instance patch, an earlier head or a wrapper
+    bound to the instance (accelerate's autocast one) calls that forward for its plain one, the copy's with the
+    copy."""
     import gc
     import pickle
+    import types
 
     from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -426,15 +428,28 @@ def test_head_copies_pickles_and_frees_as_its_model(tokenizer, tmp_path):
 
     ids = torch.randint(0, len(tokenizer), (2, 7))
     stock = build_tiny_model(tokenizer)
-    for base in ("class", "instance patch", "earlier head"):
+
+    def halved_logits(self, *args, **kwargs):  # a wrapper bound to the instance, as accelerate's autocast one is
+        out = type(self).forward(self, *args, **kwargs)
+        out.logits = out.logits / 2
+        return out
+
+    for base in ("class", "instance patch", "earlier head", "bound wrapper"):
         model = copy.deepcopy(stock)
         if base == "instance patch":
             apply_flce(model, backend="torch")
         elif base == "earlier head":
             add_flce_lm_head(model, outputs=("log_probs",))
+        elif base == "bound wrapper":
+            model.forward = types.MethodType(halved_logits, model)
         add_flce_lm_head(model, outputs=("log_probs", "entropy"))
-        torch.save(model, tmp_path / "model.pt")
-        copies = [copy.deepcopy(model), torch.load(tmp_path / "model.pt", weights_only=False)]
+        copies = [copy.deepcopy(model)]
+        if base == "bound wrapper":  # a local function does not pickle, with the head as without it
+            with pytest.raises((AttributeError, pickle.PicklingError), match="local"):
+                pickle.dumps(model)
+        else:
+            torch.save(model, tmp_path / "model.pt")
+            copies.append(torch.load(tmp_path / "model.pt", weights_only=False))
         for other in copies:
             with torch.no_grad():
                 for param in other.parameters():
@@ -442,7 +457,8 @@ def test_head_copies_pickles_and_frees_as_its_model(tokenizer, tmp_path):
             moved = copy.deepcopy(stock)
             moved.load_state_dict(other.state_dict())
             assert has_flce_head(other) and other.forward.__self__ is other
-            torch.testing.assert_close(other(input_ids=ids).logits, moved(input_ids=ids).logits, rtol=0, atol=0)
+            plain_logits = moved(input_ids=ids).logits / (2 if base == "bound wrapper" else 1)
+            torch.testing.assert_close(other(input_ids=ids).logits, plain_logits, rtol=0, atol=0)
             fused = other(input_ids=ids, labels=ids, fused_lm_head=True)
             assert fused.entropy is not None
             logits = moved(input_ids=ids).logits[:, :-1].double()
@@ -451,7 +467,6 @@ def test_head_copies_pickles_and_frees_as_its_model(tokenizer, tmp_path):
             if base == "instance patch":  # the plain forward is the patch's: a loss without logits
                 out = other(input_ids=ids, labels=ids)
                 assert out.logits is None and out.loss is not None
-        pickle.dumps(model)
         model(input_ids=ids, labels=ids, fused_lm_head=True, fused_loss_type="nll").loss.backward()
         weight = StorageWeakRef(model.lm_head.weight.untyped_storage())
         forward = model.forward

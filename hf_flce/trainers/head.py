@@ -102,7 +102,12 @@ def add_flce_lm_head(
     if not isinstance(defer_head_grad, bool):
         raise TypeError(f"defer_head_grad must be a bool, got {defer_head_grad!r}")
     settings = _HeadSettings(temperature, cast_lm_head_to_fp32, tuple(outputs), backend, memory_budget, defer_head_grad)
-    model.forward = _head_forward(model, model.__dict__.get("forward"), settings)
+    plain_forward = model.__dict__.get("forward")
+    if isinstance(plain_forward, types.MethodType) and plain_forward.__self__ is model:
+        # a method bound to the model (accelerate's mixed-precision wrapper): kept unbound, so that a copy calls it
+        # with itself, and pickling fails on it as it did on the model before, instead of pickling a name to look up
+        plain_forward = plain_forward.__func__
+    model.forward = _head_forward(model, plain_forward, settings)
 
 
 @dataclass(frozen=True)
@@ -119,9 +124,9 @@ class _HeadSettings:
 
 def _head_forward(model, plain_forward, settings: _HeadSettings) -> InstanceForward:
     """:func:`add_flce_lm_head`'s forward for ``model``, bound to it weakly; without ``fused_lm_head`` it calls
-    ``plain_forward``, the forward the instance had of its own (a patch, a wrapper), or the class's where it had
-    none. ``copy.deepcopy`` and pickling make the copy's own (its plain forward the copy's too). The config is read
-    at each call."""
+    ``plain_forward``, the forward the instance had of its own (a patch; a plain function is called with the model
+    as its first argument), or the class's where it had none. ``copy.deepcopy`` and pickling make the copy's own
+    (its plain forward the copy's too). The config is read at each call."""
     outputs, defer_head_grad = settings.outputs, settings.defer_head_grad
     class_forward = type(model).forward  # the model may be a copy whose attributes are not set yet: its class only
     # the op computes only the statistics these outputs read (TRL's names -> FLCEStats fields)
@@ -141,7 +146,10 @@ def _head_forward(model, plain_forward, settings: _HeadSettings) -> InstanceForw
     ):
         if not fused_lm_head:
             extra = {"labels": labels, "shift_labels": shift_labels, "num_items_in_batch": num_items_in_batch}
-            forward = functools.partial(class_forward, self) if plain_forward is None else plain_forward
+            if plain_forward is None or isinstance(plain_forward, types.FunctionType):
+                forward = functools.partial(class_forward if plain_forward is None else plain_forward, self)
+            else:
+                forward = plain_forward
             return forward(*args, **kwargs, **{k: v for k, v in extra.items() if v is not None})
         if labels is None and shift_labels is None:
             raise ValueError("fused_lm_head=True needs `labels` (or `shift_labels`)")
