@@ -480,6 +480,15 @@ def test_head_copies_pickles_and_frees_as_its_model(tokenizer, tmp_path):
             forward(input_ids=ids)
 
 
+def test_head_refuses_an_unsupported_logit_scale_when_added(tokenizer):
+    """The config's logit scale is read at each call (a copy's config is its own), and checked when the head is
+    added: a scale the op cannot fold into its temperature raises there, not at the first training step."""
+    model = build_tiny_model(tokenizer)
+    model.config.logit_scale = -1.0
+    with pytest.raises(NotImplementedError, match="positive logit scale"):
+        add_flce_lm_head(model)
+
+
 def _recorded_budgets(monkeypatch) -> list:
     """The ``memory_budget`` each fused-head call passes to the op, recorded while the real op runs."""
     from hf_flce.trainers import head

@@ -101,6 +101,7 @@ def add_flce_lm_head(
         raise ValueError(f"unknown fused-head outputs {sorted(unknown)}")
     if not isinstance(defer_head_grad, bool):
         raise TypeError(f"defer_head_grad must be a bool, got {defer_head_grad!r}")
+    op_transform(model.config.get_text_config(), temperature)  # an unsupported logit scale raises here, not mid-step
     settings = _HeadSettings(temperature, cast_lm_head_to_fp32, tuple(outputs), backend, memory_budget, defer_head_grad)
     plain_forward = model.__dict__.get("forward")
     if isinstance(plain_forward, types.MethodType) and plain_forward.__self__ is model:
