@@ -118,6 +118,7 @@ QWEN4_EXP = dict(
     indexer_budget=8,
     indexer_compress_ratio=2,
 )
+NO_DROPOUT = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
 CONFIGS = {
     "LlamaForCausalLM": ("LlamaConfig", {}),
     "Qwen2ForCausalLM": ("Qwen2Config", {}),
@@ -259,6 +260,97 @@ CONFIGS = {
     "Starcoder2ForCausalLM": ("Starcoder2Config", {}),
     "ApertusForCausalLM": ("ApertusConfig", dict(head_dim=8)),
     "ArceeForCausalLM": ("ArceeConfig", dict(head_dim=8)),
+    "Apertus1p5TextForCausalLM": ("Apertus1p5TextConfig", dict(head_dim=8)),
+    "GraniteSWAForCausalLM": ("GraniteSWAConfig", dict(logits_scaling=4.0)),
+    "Gemma3nForCausalLM": (
+        "Gemma3nTextConfig",
+        dict(
+            head_dim=8,
+            final_logit_softcapping=2.0,
+            layer_types=["sliding_attention", "full_attention"],
+            num_kv_shared_layers=0,
+            activation_sparsity_pattern=[0.0, 0.0],
+            vocab_size_per_layer_input=VOCAB,
+            hidden_size_per_layer_input=8,
+            laurel_rank=4,
+        ),
+    ),
+    "VaultGemmaForCausalLM": ("VaultGemmaConfig", dict(head_dim=8, final_logit_softcapping=2.0)),
+    # MoE without an aux loss, as DeepSeek-V3's
+    "AfmoeForCausalLM": (
+        "AfmoeConfig",
+        dict(num_experts=4, num_experts_per_tok=2, num_shared_experts=1, moe_intermediate_size=32, head_dim=8),
+    ),
+    "HYV3ForCausalLM": ("HYV3Config", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=8)),
+    "Cohere2MoeForCausalLM": ("Cohere2MoeConfig", dict(num_experts=4, logit_scale=0.25, head_dim=8)),
+    "NemotronForCausalLM": ("NemotronConfig", {}),
+    # Mamba-2, MoE, attention and MLP layers (the default pattern) at small sizes
+    "NemotronHForCausalLM": (
+        "NemotronHConfig",
+        dict(
+            head_dim=8,
+            mamba_num_heads=4,
+            mamba_head_dim=8,
+            ssm_state_size=8,
+            n_groups=1,
+            chunk_size=8,
+            n_routed_experts=4,
+            moe_intermediate_size=32,
+            moe_shared_expert_intermediate_size=32,
+        ),
+    ),
+    # Mamba-2 mixed into every layer; logits multiplied by 0.5
+    "FalconH1ForCausalLM": (
+        "FalconH1Config",
+        dict(
+            head_dim=8,
+            mamba_d_ssm=64,
+            mamba_n_heads=8,
+            mamba_d_head=8,
+            mamba_d_state=8,
+            mamba_chunk_size=8,
+            lm_head_multiplier=0.5,
+        ),
+    ),
+    "StableLmForCausalLM": ("StableLmConfig", {}),
+    # multi-head latent attention; hidden states divided by hidden_size / dim_model_base = 2 before lm_head
+    "MiniCPM3ForCausalLM": (
+        "MiniCPM3Config",
+        dict(
+            head_dim=8,
+            num_key_value_heads=4,
+            kv_lora_rank=16,
+            q_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=8,
+            dim_model_base=16,
+        ),
+    ),
+    # logits multiplied by logits_scaling
+    "HyperCLOVAXForCausalLM": ("HyperCLOVAXConfig", dict(logits_scaling=0.25)),
+    "NanoChatForCausalLM": ("NanoChatConfig", dict(final_logit_softcapping=2.0)),
+    "HeliumForCausalLM": ("HeliumConfig", dict(head_dim=8)),
+    "Jais2ForCausalLM": ("Jais2Config", {}),
+    "YoutuForCausalLM": (
+        "YoutuConfig",
+        dict(
+            num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8
+        ),
+    ),
+    "CwmForCausalLM": ("CwmConfig", dict(head_dim=8)),
+    "PersimmonForCausalLM": ("PersimmonConfig", {}),
+    "DiffLlamaForCausalLM": ("DiffLlamaConfig", {}),
+    "BitNetForCausalLM": ("BitNetConfig", {}),
+    # GPT-2-style configs default to dropout, which would make the two models' draws differ
+    "GPT2LMHeadModel": ("GPT2Config", dict(**NO_DROPOUT, n_positions=64)),
+    "GPTNeoXForCausalLM": ("GPTNeoXConfig", dict(hidden_dropout=0.0, attention_dropout=0.0)),
+    "GPTJForCausalLM": ("GPTJConfig", dict(**NO_DROPOUT, n_positions=64, rotary_dim=4)),
+    "CodeGenForCausalLM": ("CodeGenConfig", dict(**NO_DROPOUT, n_positions=64, n_ctx=64, rotary_dim=4)),
+    "GPTBigCodeForCausalLM": ("GPTBigCodeConfig", dict(**NO_DROPOUT, n_positions=64)),
+    "OPTForCausalLM": ("OPTConfig", dict(ffn_dim=64, word_embed_proj_dim=32, dropout=0.0, attention_dropout=0.0)),
+    # Emu3's text model defaults to attention dropout, which would make the two models' draws differ
+    "Emu3ForCausalLM": ("Emu3TextConfig", dict(attention_dropout=0.0)),
 }
 CLASSES = list(CONFIGS)
 MOE_CLASSES = [name for name in CLASSES if "output_router_logits" in CONFIGS[name][1]]
@@ -273,7 +365,7 @@ def make_model(name: str, tie: bool = False, **overrides) -> torch.nn.Module:
     config = getattr(transformers, config_name)(**{**BASE, **extra, "tie_word_embeddings": tie, **overrides})
     torch.manual_seed(0)
     model = getattr(transformers, name)(config).train()
-    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tie
+    assert (model.get_output_embeddings().weight is model.get_input_embeddings().weight) == tie
     return model
 
 
@@ -875,7 +967,7 @@ def make_vision_language_model(name: str, tie: bool = True) -> torch.nn.Module:
     config = getattr(transformers, config_name)(**settings, tie_word_embeddings=tie)
     torch.manual_seed(0)
     model = getattr(transformers, name)(config).train()
-    assert (model.lm_head.weight is model.get_input_embeddings().weight) == tie
+    assert (model.get_output_embeddings().weight is model.get_input_embeddings().weight) == tie
     return model
 
 
@@ -1097,10 +1189,16 @@ def test_reverted_instance_follows_a_later_class_patch():
         revert_flce()
 
 
+def _unsupported_causal_lm() -> torch.nn.Module:
+    """A causal LM of a class the patchers do not cover (BLOOM's forward still has the pre-5.x tuple returns)."""
+    return transformers.BloomForCausalLM(
+        transformers.BloomConfig(hidden_size=32, n_layer=1, n_head=2, vocab_size=VOCAB)
+    )
+
+
 def test_unsupported_models_raise():
-    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=VOCAB))
     with pytest.raises(ValueError, match="LlamaForCausalLM.*Qwen3MoeForCausalLM"):
-        apply_flce(gpt2)
+        apply_flce(_unsupported_causal_lm())
     with pytest.raises(ValueError, match="supported classes: LlamaForCausalLM"):
         apply_flce_to_llama(make_model("Qwen2ForCausalLM"))
     config = transformers.LlamaConfig(**BASE)
@@ -1122,11 +1220,11 @@ def test_apply_flce_picks_the_family_from_the_class():
     out = patched(input_ids=ids, labels=labels)
     assert out.logits is None
     torch.testing.assert_close(out.loss, stock(input_ids=ids, labels=labels).loss)
-    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=VOCAB))
-    gpt2.config.model_type = "llama"
-    with pytest.raises(ValueError, match=r"GPT2LMHeadModel is not supported \(model type 'llama'\)"):
-        apply_flce(gpt2)
-    assert "forward" not in gpt2.__dict__
+    bloom = _unsupported_causal_lm()
+    bloom.config.model_type = "llama"
+    with pytest.raises(ValueError, match=r"BloomForCausalLM is not supported \(model type 'llama'\)"):
+        apply_flce(bloom)
+    assert "forward" not in bloom.__dict__
 
 
 def test_state_dict_and_save_pretrained_unchanged(tmp_path):

@@ -275,10 +275,12 @@ def test_custom_code_in_a_checkpoint_is_never_run_by_default(cli_dir, tmp_path):
 
 
 def test_unsupported_model_type_lists_the_supported_ones():
-    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=VOCAB))
+    bloom = transformers.BloomForCausalLM(
+        transformers.BloomConfig(hidden_size=16, n_layer=1, n_head=2, vocab_size=VOCAB)
+    )
     with pytest.raises(ValueError) as info:
-        apply_flce(gpt2)
+        apply_flce(bloom)
     message = str(info.value)
-    assert "'gpt2'" in message and "GPT2LMHeadModel" in message
+    assert "'bloom'" in message and "BloomForCausalLM" in message
     assert all(model_type in message for model_type in MODEL_TYPES)
-    assert "forward" not in gpt2.__dict__  # nothing was patched
+    assert "forward" not in bloom.__dict__  # nothing was patched

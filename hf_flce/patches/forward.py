@@ -86,6 +86,8 @@ class PatchState:
     output_class: type | None = None
     # the config attributes of a logit transform that the stock forward applies (``stock_logit_attributes``)
     logit_attributes: frozenset[str] = LOGIT_ATTRIBUTES
+    # the attribute holding the decoder that the stock forward calls (``registry.Target.decoder``)
+    decoder: str = "model"
     # an instance reverted under a class patch: that patch's state, which a later class patch or revert replaces
     opted_out_of: PatchState | None = None
 
@@ -185,9 +187,10 @@ def _fused_head(
         skip_logits = options.skip_logits
     if not (model.training if skip_logits is None else skip_logits):
         return None
-    linear = linear_of(model.lm_head)
+    head = model.get_output_embeddings()
+    linear = linear_of(head)
     if not _fusable(linear):
-        kind = type(model.lm_head)
+        kind = type(head)
         name = kind.__name__
         _warn_once(
             f"{kind.__module__}.{name}",
@@ -203,7 +206,7 @@ def _fused_head(
             "using the stock forward, which materialises the logits for it.",
         )
         return None
-    hooks = _logit_hooks(model.lm_head, linear)
+    hooks = _logit_hooks(head, linear)
     if hooks:
         _warn_once(
             f"lm_head hooks {hooks}",
@@ -252,9 +255,10 @@ def _fused_loss(
         backend=options.backend,
         memory_budget=in_model_budget(options.memory_budget, hidden.device),
     )
+    head = model.get_output_embeddings()
     if late is not None:
-        return late.loss(model.lm_head, hidden, target, **op_options)
-    return head_linear_cross_entropy(model.lm_head, hidden, target, **op_options)
+        return late.loss(head, hidden, target, **op_options)
+    return head_linear_cross_entropy(head, hidden, target, **op_options)
 
 
 # The models' cache argument and their outputs' cache field: ``past_key_values`` until transformers 5.23, ``cache``
@@ -296,15 +300,17 @@ def _forward(
         # values. With no logits returned it could not continue a generation, so the fused call builds one only when
         # asked, as a ``Trainer`` run (``args.use_cache=False``) and TRL's fused head (``use_cache=False``) have it.
         inputs["use_cache"] = False
-    late = LateHeadGrad.start(self.lm_head) if options.defer_head_grad else None  # before the layers' autograd nodes
-    if state.output_class is not None and _takes(type(self.model).forward, "labels"):
+    # before the layers' autograd nodes
+    late = LateHeadGrad.start(self.get_output_embeddings()) if options.defer_head_grad else None
+    body = getattr(self, state.decoder)
+    if state.output_class is not None and _takes(type(body).forward, "labels"):
         inputs["labels"] = labels  # as the stock vision-language forward passes them
     router_flag = "output_router_logits"
     if state.aux_loss is not None and kwargs.get(router_flag) is None and _takes(state.stock_forward, router_flag):
         # stock's default where its forward names the flag (5.17's vision-language MoE forwards read it from their
         # kwargs only, so there it is off unless passed)
         kwargs[router_flag] = self.config.get_text_config().output_router_logits
-    outputs = self.model(**inputs, **kwargs)
+    outputs = body(**inputs, **kwargs)
     hidden = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
     loss = _fused_loss(self, state, hidden, labels, options, kwargs, late)
     fields = {

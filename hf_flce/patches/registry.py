@@ -30,6 +30,8 @@ class Target:
     # a dense forward that returns its stock output class, with the body's extra fields: MoE models that balance their
     # experts without an aux loss (DeepSeek-V3's ``MoeCausalLMOutputWithPast`` carries the router logits)
     stock_output: bool = False
+    # the attribute holding the decoder that the stock forward calls (GPT-2's ``transformer``)
+    decoder: str = "model"
 
     @property
     def from_stock_forward(self) -> bool:
@@ -85,6 +87,8 @@ FAMILIES: dict[str, tuple[Target, ...]] = {
         Target("gemma3", "Gemma3ForConditionalGeneration", vision_language=True),
         Target("gemma4_text", "Gemma4ForCausalLM", package="gemma4", own_inputs=True),
         Target("gemma4", "Gemma4ForConditionalGeneration", vision_language=True),
+        Target("gemma3n_text", "Gemma3nForCausalLM", package="gemma3n"),
+        Target("vaultgemma", "VaultGemmaForCausalLM"),
     ),
     # Phi-3, Phi-3.5 and Phi-4 (``phi3``); Phi-1, 1.5 and 2, whose lm_head has a bias; Phi-3.5-MoE
     "phi": (
@@ -124,6 +128,7 @@ FAMILIES: dict[str, tuple[Target, ...]] = {
     "hunyuan": (
         Target("hunyuan_v1_dense", "HunYuanDenseV1ForCausalLM"),
         Target("hunyuan_v1_moe", "HunYuanMoEV1ForCausalLM", stock_output=True),
+        Target("hy_v3", "HYV3ForCausalLM", stock_output=True),
     ),
     "exaone": (
         Target("exaone4", "Exaone4ForCausalLM"),
@@ -139,9 +144,25 @@ FAMILIES: dict[str, tuple[Target, ...]] = {
     "solar": (Target("solar_open", "SolarOpenForCausalLM", stock_output=True),),
     "jamba": (Target("jamba", "JambaForCausalLM", moe=True),),
     "seed_oss": (Target("seed_oss", "SeedOssForCausalLM"),),
-    "starcoder": (Target("starcoder2", "Starcoder2ForCausalLM"),),
-    "apertus": (Target("apertus", "ApertusForCausalLM"),),
-    "arcee": (Target("arcee", "ArceeForCausalLM"),),
+    # GPT-2-style classes take inputs of their own (token types, cross-attention states) and name their decoder
+    # ``transformer`` (GPT-NeoX ``gpt_neox``, its head ``embed_out``): the fused forward is made from the stock one.
+    # OPT's stock forward calls ``model.decoder``, which ``model``'s forward calls as it is.
+    "gpt": (
+        Target("gpt2", "GPT2LMHeadModel", own_inputs=True, decoder="transformer"),
+        Target("gpt_neox", "GPTNeoXForCausalLM", own_inputs=True, decoder="gpt_neox"),
+        Target("gptj", "GPTJForCausalLM", own_inputs=True, decoder="transformer"),
+        Target("codegen", "CodeGenForCausalLM", own_inputs=True, decoder="transformer"),
+    ),
+    "opt": (Target("opt", "OPTForCausalLM", own_inputs=True),),
+    "starcoder": (
+        Target("starcoder2", "Starcoder2ForCausalLM"),
+        Target("gpt_bigcode", "GPTBigCodeForCausalLM", own_inputs=True, decoder="transformer"),
+    ),
+    "apertus": (
+        Target("apertus", "ApertusForCausalLM"),
+        Target("apertus1p5_text", "Apertus1p5TextForCausalLM", package="apertus1p5"),
+    ),
+    "arcee": (Target("arcee", "ArceeForCausalLM"), Target("afmoe", "AfmoeForCausalLM", stock_output=True)),
     # These scale their logits: Granite divides them by ``config.logits_scaling``, Command R (Cohere) multiplies them
     # by ``config.logit_scale``; the fused forward passes the same scale to the op (``forward.op_transform``).
     "granite": (
@@ -149,8 +170,32 @@ FAMILIES: dict[str, tuple[Target, ...]] = {
         Target("granitemoe", "GraniteMoeForCausalLM", moe=True),
         Target("granitemoeshared", "GraniteMoeSharedForCausalLM", moe=True),
         Target("granitemoehybrid", "GraniteMoeHybridForCausalLM", moe=True),
+        Target("granite_swa", "GraniteSWAForCausalLM"),
     ),
-    "cohere": (Target("cohere", "CohereForCausalLM"), Target("cohere2", "Cohere2ForCausalLM")),
+    "cohere": (
+        Target("cohere", "CohereForCausalLM"),
+        Target("cohere2", "Cohere2ForCausalLM"),
+        Target("cohere2_moe", "Cohere2MoeForCausalLM", stock_output=True),
+    ),
+    # HyperCLOVA X multiplies its logits by ``logits_scaling``, MiniCPM3 divides its hidden states by it, Falcon-H1
+    # multiplies them by ``lm_head_multiplier``; NanoChat caps them as Gemma 2 does
+    "nemotron": (
+        Target("nemotron", "NemotronForCausalLM"),
+        Target("nemotron_h", "NemotronHForCausalLM", stock_output=True),
+    ),
+    "falcon": (Target("falcon_h1", "FalconH1ForCausalLM"),),
+    "stablelm": (Target("stablelm", "StableLmForCausalLM"),),
+    "minicpm": (Target("minicpm3", "MiniCPM3ForCausalLM"),),
+    "hyperclovax": (Target("hyperclovax", "HyperCLOVAXForCausalLM"),),
+    "nanochat": (Target("nanochat", "NanoChatForCausalLM"),),
+    "helium": (Target("helium", "HeliumForCausalLM"),),
+    "jais": (Target("jais2", "Jais2ForCausalLM"),),
+    "youtu": (Target("youtu", "YoutuForCausalLM"),),
+    "cwm": (Target("cwm", "CwmForCausalLM"),),
+    "persimmon": (Target("persimmon", "PersimmonForCausalLM"),),
+    "diffllama": (Target("diffllama", "DiffLlamaForCausalLM"),),
+    "bitnet": (Target("bitnet", "BitNetForCausalLM"),),
+    "emu3": (Target("emu3", "Emu3ForCausalLM"),),
 }
 ALL_TARGETS: tuple[Target, ...] = tuple(t for targets in FAMILIES.values() for t in targets)
 MODEL_TYPES: tuple[str, ...] = tuple(dict.fromkeys(t.model_type for t in ALL_TARGETS))
