@@ -16,7 +16,15 @@ from unittest import mock
 
 import pytest
 import torch
-from test_patches import VISION_LANGUAGE, assert_same_gradients, image_batch, make_vision_language_model
+import transformers
+from test_patches import (
+    VISION_LANGUAGE,
+    assert_same_gradients,
+    image_batch,
+    make_batch,
+    make_model,
+    make_vision_language_model,
+)
 from transformers import TrainerCallback
 from trl import DPOConfig, DPOTrainer, GRPOTrainer, KTOTrainer, RLOOTrainer, SFTConfig, SFTTrainer
 from trl.trainer.utils import add_fused_lm_head
@@ -229,6 +237,48 @@ def test_head_matches_trl_contract(tokenizer, config, shifted):
         ((out.log_probs * weights).sum() + out.entropy.sum()).backward()
     for (name, p_stock), p_ours in zip(stock.named_parameters(), ours.parameters()):
         torch.testing.assert_close(p_ours.grad, p_stock.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize(
+    "name", ["Llama4ForCausalLM", "GPT2LMHeadModel", "GPTNeoXForCausalLM", "OPTForCausalLM", "FalconH1ForCausalLM"]
+)
+def test_head_finds_the_decoder_and_head_the_class_names(name):
+    """The head calls the decoder the stock forward calls and the head ``get_output_embeddings`` returns, where they
+    are not ``model`` and ``lm_head``: Llama 4's text model (whose ``base_model_prefix``, ``language_model``, names no
+    attribute), GPT-2's ``transformer``, GPT-NeoX's ``gpt_neox`` and ``embed_out``, OPT's ``model.decoder`` under
+    ``model``; Falcon-H1 scales its logits. The scalar NLL and every gradient are stock's."""
+    stock = make_model(name)
+    ours = copy.deepcopy(stock)
+    add_flce_lm_head(ours)
+    ids, labels = make_batch()
+    stock(input_ids=ids, labels=labels).loss.backward()
+    ours(input_ids=ids, labels=labels, fused_lm_head=True, fused_loss_type="nll").token_loss.backward()
+    assert_same_gradients(
+        {n: p.grad for n, p in ours.named_parameters() if p.grad is not None},
+        {n: p.grad for n, p in stock.named_parameters() if p.grad is not None},
+    )
+
+
+def test_head_without_a_decoder_is_a_clear_error():
+    """A model of a class the registry does not know, whose ``base_model_prefix`` names no attribute (as Llama 4's
+    text model's does), is refused by name, not called as its own decoder."""
+
+    class CustomLM(transformers.LlamaPreTrainedModel):
+        base_model_prefix = "backbone"
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.decoder = transformers.LlamaModel(config)
+            self.lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+        def get_output_embeddings(self):
+            return self.lm_head
+
+    model = CustomLM(make_model("LlamaForCausalLM").config)
+    add_flce_lm_head(model)
+    ids, labels = make_batch()
+    with pytest.raises(ValueError, match="CustomLM has no decoder at `backbone`"):
+        model(input_ids=ids, labels=labels, fused_lm_head=True, fused_loss_type="nll")
 
 
 @pytest.mark.parametrize("name", list(VISION_LANGUAGE))

@@ -314,7 +314,6 @@ def _state(cls: type, target: Target, options: PatchOptions | None) -> PatchStat
         aux_loss=aux_loss_function(target),
         output_class=output_class(target),
         logit_attributes=stock_logit_attributes(stock),
-        decoder=target.decoder,
     )
 
 

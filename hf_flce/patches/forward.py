@@ -27,6 +27,7 @@ from transformers.utils.generic import can_return_tuple
 from ..distributed import head_linear_cross_entropy, linear_of
 from ..options import BACKENDS, FLCEOptions, in_model_budget
 from .late_head_grad import LateHeadGrad
+from .registry import decoder_of
 
 try:
     from transformers.modeling_utils import slice_logits_to_keep
@@ -86,8 +87,6 @@ class PatchState:
     output_class: type | None = None
     # the config attributes of a logit transform that the stock forward applies (``stock_logit_attributes``)
     logit_attributes: frozenset[str] = LOGIT_ATTRIBUTES
-    # the attribute holding the decoder that the stock forward calls (``registry.Target.decoder``)
-    decoder: str = "model"
     # an instance reverted under a class patch: that patch's state, which a later class patch or revert replaces
     opted_out_of: PatchState | None = None
 
@@ -302,7 +301,7 @@ def _forward(
         inputs["use_cache"] = False
     # before the layers' autograd nodes
     late = LateHeadGrad.start(self.get_output_embeddings()) if options.defer_head_grad else None
-    body = getattr(self, state.decoder)
+    body = decoder_of(self)
     if state.output_class is not None and _takes(type(body).forward, "labels"):
         inputs["labels"] = labels  # as the stock vision-language forward passes them
     router_flag = "output_router_logits"

@@ -7,6 +7,7 @@ so listing a family costs nothing.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import typing
 from collections.abc import Callable
@@ -237,6 +238,27 @@ def find_target(model: object, targets: tuple[Target, ...] = ALL_TARGETS) -> tup
         if target is not None:
             return load_class(target), target
     return None
+
+
+@functools.cache
+def _decoder_attribute(cls: type) -> str:
+    by_key = {(t.module, t.class_name): t for t in ALL_TARGETS}
+    for klass in cls.__mro__:
+        target = by_key.get((klass.__module__, klass.__name__))
+        if target is not None:
+            return target.decoder
+    return cls.base_model_prefix
+
+
+def decoder_of(model: object) -> object:
+    """The decoder that ``model``'s stock forward calls: its supported class's (:attr:`Target.decoder`), else the one
+    ``base_model_prefix`` names, which ``Llama4ForCausalLM`` (``language_model``, its decoder being ``model``) gets
+    wrong."""
+    name = _decoder_attribute(type(model))
+    decoder = getattr(model, name, None)
+    if decoder is None or decoder is model:
+        raise ValueError(f"{type(model).__name__} has no decoder at `{name}` for the fused head to call")
+    return decoder
 
 
 def stock_forward(cls: type) -> Callable:

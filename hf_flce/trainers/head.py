@@ -25,6 +25,7 @@ from ..options import in_model_budget
 from ..patches import InstanceForward
 from ..patches.forward import op_transform
 from ..patches.late_head_grad import LateHeadGrad
+from ..patches.registry import decoder_of
 
 IGNORE_INDEX = -100
 FUSED_LOSS_TYPES = ("nll", "dft")
@@ -179,7 +180,7 @@ def _head_forward(model, plain_forward, settings: _HeadSettings) -> InstanceForw
                 "(an adapter on lm_head would be skipped; put LoRA on other modules or use modules_to_save)"
             )
         late = LateHeadGrad.start(lm_head) if defer_head_grad else None  # before the backbone's autograd nodes
-        backbone_outputs = self.base_model(*args, **kwargs)
+        backbone_outputs = decoder_of(self)(*args, **kwargs)
         # With the model split across devices (device_map) the backbone can end on another device than the head.
         hidden = backbone_outputs.last_hidden_state.to(linear.weight.device)
         # Score every position against the next token, the last one against nothing: the hidden states stay a view.
