@@ -349,6 +349,10 @@ CONFIGS = {
     "CodeGenForCausalLM": ("CodeGenConfig", dict(**NO_DROPOUT, n_positions=64, n_ctx=64, rotary_dim=4)),
     "GPTBigCodeForCausalLM": ("GPTBigCodeConfig", dict(**NO_DROPOUT, n_positions=64)),
     "OPTForCausalLM": ("OPTConfig", dict(ffn_dim=64, word_embed_proj_dim=32, dropout=0.0, attention_dropout=0.0)),
+    # forwards that still take return_dict, output_attentions and output_hidden_states
+    "BloomForCausalLM": ("BloomConfig", dict(n_layer=2, n_head=4, hidden_dropout=0.0, attention_dropout=0.0)),
+    "FalconForCausalLM": ("FalconConfig", dict(hidden_dropout=0.0, attention_dropout=0.0)),
+    "MptForCausalLM": ("MptConfig", dict(d_model=32, n_heads=4, n_layers=2, max_seq_len=64, use_cache=True)),
     # Emu3's text model defaults to attention dropout, which would make the two models' draws differ
     "Emu3ForCausalLM": ("Emu3TextConfig", dict(attention_dropout=0.0)),
 }
@@ -577,12 +581,15 @@ def test_signature_is_visible_to_trainer_and_generate(name):
     assert find_labels(type(patched)) == ["labels"]
 
 
-def test_return_dict_false_gives_a_tuple():
-    patched, stock = patched_pair("LlamaForCausalLM")
+@pytest.mark.parametrize("name", ["LlamaForCausalLM", "GPT2LMHeadModel", "BloomForCausalLM", "FalconForCausalLM"])
+def test_return_dict_false_gives_a_tuple(name):
+    """As stock: a tuple with the loss first (BLOOM's and Falcon's forwards name ``return_dict`` themselves)."""
+    patched, stock = patched_pair(name)
     ids, labels = make_batch()
     out = patched(input_ids=ids, labels=labels, return_dict=False)
-    assert isinstance(out, tuple)
-    torch.testing.assert_close(out[0], stock(input_ids=ids, labels=labels).loss, rtol=1e-5, atol=0)
+    ref = stock(input_ids=ids, labels=labels, return_dict=False)
+    assert isinstance(out, tuple) and isinstance(ref, tuple)
+    torch.testing.assert_close(out[0], ref[0], rtol=1e-5, atol=0)
 
 
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
@@ -1190,9 +1197,9 @@ def test_reverted_instance_follows_a_later_class_patch():
 
 
 def _unsupported_causal_lm() -> torch.nn.Module:
-    """A causal LM of a class the patchers do not cover (BLOOM's forward still has the pre-5.x tuple returns)."""
-    return transformers.BloomForCausalLM(
-        transformers.BloomConfig(hidden_size=32, n_layer=1, n_head=2, vocab_size=VOCAB)
+    """A causal LM of a class the patchers do not cover."""
+    return transformers.MambaForCausalLM(
+        transformers.MambaConfig(hidden_size=32, num_hidden_layers=1, vocab_size=VOCAB)
     )
 
 
@@ -1220,11 +1227,11 @@ def test_apply_flce_picks_the_family_from_the_class():
     out = patched(input_ids=ids, labels=labels)
     assert out.logits is None
     torch.testing.assert_close(out.loss, stock(input_ids=ids, labels=labels).loss)
-    bloom = _unsupported_causal_lm()
-    bloom.config.model_type = "llama"
-    with pytest.raises(ValueError, match=r"BloomForCausalLM is not supported \(model type 'llama'\)"):
-        apply_flce(bloom)
-    assert "forward" not in bloom.__dict__
+    mamba = _unsupported_causal_lm()
+    mamba.config.model_type = "llama"
+    with pytest.raises(ValueError, match=r"MambaForCausalLM is not supported \(model type 'llama'\)"):
+        apply_flce(mamba)
+    assert "forward" not in mamba.__dict__
 
 
 def test_state_dict_and_save_pretrained_unchanged(tmp_path):
@@ -1533,7 +1540,9 @@ def test_lazy_exports():
     assert hf_flce.apply_flce is apply_flce and hf_flce.revert_flce is revert_flce
 
 
-@pytest.mark.parametrize("name", ["LlamaForCausalLM", "MixtralForCausalLM", "Qwen3NextForCausalLM"])
+@pytest.mark.parametrize(
+    "name", ["LlamaForCausalLM", "MixtralForCausalLM", "Qwen3NextForCausalLM", "GPT2LMHeadModel", "MptForCausalLM"]
+)
 def test_fused_call_builds_a_cache_only_when_asked(name):
     """Stock builds a KV cache from ``config.use_cache`` (True here), which a fused call, returning no logits, could
     not continue a generation from: it builds one only with ``use_cache=True`` or a cache passed in, and then returns

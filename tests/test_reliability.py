@@ -275,12 +275,12 @@ def test_custom_code_in_a_checkpoint_is_never_run_by_default(cli_dir, tmp_path):
 
 
 def test_unsupported_model_type_lists_the_supported_ones():
-    bloom = transformers.BloomForCausalLM(
-        transformers.BloomConfig(hidden_size=16, n_layer=1, n_head=2, vocab_size=VOCAB)
+    mamba = transformers.MambaForCausalLM(
+        transformers.MambaConfig(hidden_size=16, num_hidden_layers=1, vocab_size=VOCAB)
     )
     with pytest.raises(ValueError) as info:
-        apply_flce(bloom)
+        apply_flce(mamba)
     message = str(info.value)
-    assert "'bloom'" in message and "BloomForCausalLM" in message
+    assert "'mamba'" in message and "MambaForCausalLM" in message
     assert all(model_type in message for model_type in MODEL_TYPES)
-    assert "forward" not in bloom.__dict__  # nothing was patched
+    assert "forward" not in mamba.__dict__  # nothing was patched

@@ -184,7 +184,12 @@ FAMILIES: dict[str, tuple[Target, ...]] = {
         Target("nemotron", "NemotronForCausalLM"),
         Target("nemotron_h", "NemotronHForCausalLM", stock_output=True),
     ),
-    "falcon": (Target("falcon_h1", "FalconH1ForCausalLM"),),
+    "falcon": (
+        Target("falcon_h1", "FalconH1ForCausalLM"),
+        Target("falcon", "FalconForCausalLM", own_inputs=True, decoder="transformer"),
+    ),
+    "bloom": (Target("bloom", "BloomForCausalLM", own_inputs=True, decoder="transformer"),),
+    "mpt": (Target("mpt", "MptForCausalLM", own_inputs=True, decoder="transformer"),),
     "stablelm": (Target("stablelm", "StableLmForCausalLM"),),
     "minicpm": (Target("minicpm3", "MiniCPM3ForCausalLM"),),
     "hyperclovax": (Target("hyperclovax", "HyperCLOVAXForCausalLM"),),
