@@ -528,6 +528,13 @@ def test_moe_without_aux_loss_returns_the_stock_output(name):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_every_supported_class_is_tested_against_stock():
+    """Each class the registry lists has a tiny config here (or in ``VISION_LANGUAGE``), so the per-class tests run
+    it against stock: a class added to the registry without one would be patched untested."""
+    supported = {target.class_name for target in registry.ALL_TARGETS}
+    assert supported == set(CONFIGS) | set(VISION_LANGUAGE)
+
+
 def test_class_patch_skips_classes_missing_from_transformers(monkeypatch):
     """A class patch of a family covers what the installed transformers has: an older 5.x lacks the newest models."""
     absent = registry.Target("no_such_model", "NoSuchModelForCausalLM")

@@ -178,8 +178,9 @@ def apply_flce_to_mistral(model: M | None = None, **options: Unpack[PatchKwargs]
 
 def apply_flce_to_gemma(model: M | None = None, **options: Unpack[PatchKwargs]) -> M | None:
     """Patch ``GemmaForCausalLM``, ``Gemma2ForCausalLM``, ``Gemma3ForCausalLM``, ``Gemma4ForCausalLM``,
-    ``Gemma3nForCausalLM`` (Gemma 3n's text model), ``VaultGemmaForCausalLM`` and the vision-language ``Gemma3ForConditionalGeneration`` (Gemma 3 4B-27B) and ``Gemma4ForConditionalGeneration``
-    (this instance, or the classes).
+    ``Gemma3nForCausalLM`` (Gemma 3n's text model), ``VaultGemmaForCausalLM`` and the vision-language
+    ``Gemma3ForConditionalGeneration`` (Gemma 3 4B-27B) and ``Gemma4ForConditionalGeneration`` (this instance, or the
+    classes).
 
     The fused loss applies the config's ``final_logit_softcapping`` (``cap * tanh(logits / cap)``: 30 in Gemma 2's
     configs; Gemma 3's leave it unset) as stock does, in float32 inside the op. The vision-language classes and

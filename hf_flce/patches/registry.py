@@ -178,21 +178,21 @@ FAMILIES: dict[str, tuple[Target, ...]] = {
         Target("cohere2", "Cohere2ForCausalLM"),
         Target("cohere2_moe", "Cohere2MoeForCausalLM", stock_output=True),
     ),
-    # HyperCLOVA X multiplies its logits by ``logits_scaling``, MiniCPM3 divides its hidden states by it, Falcon-H1
-    # multiplies them by ``lm_head_multiplier``; NanoChat caps them as Gemma 2 does
     "nemotron": (
         Target("nemotron", "NemotronForCausalLM"),
         Target("nemotron_h", "NemotronHForCausalLM", stock_output=True),
     ),
+    "bloom": (Target("bloom", "BloomForCausalLM", own_inputs=True, decoder="transformer"),),
+    "mpt": (Target("mpt", "MptForCausalLM", own_inputs=True, decoder="transformer"),),
+    "stablelm": (Target("stablelm", "StableLmForCausalLM"),),
+    # Falcon-H1 multiplies its logits by ``lm_head_multiplier``, HyperCLOVA X by ``logits_scaling``, and MiniCPM3
+    # divides its hidden states by it; nanochat caps its logits as Gemma 2 does
     "falcon": (
         Target("falcon_h1", "FalconH1ForCausalLM"),
         Target("falcon", "FalconForCausalLM", own_inputs=True, decoder="transformer"),
     ),
-    "bloom": (Target("bloom", "BloomForCausalLM", own_inputs=True, decoder="transformer"),),
-    "mpt": (Target("mpt", "MptForCausalLM", own_inputs=True, decoder="transformer"),),
-    "stablelm": (Target("stablelm", "StableLmForCausalLM"),),
-    "minicpm": (Target("minicpm3", "MiniCPM3ForCausalLM"),),
     "hyperclovax": (Target("hyperclovax", "HyperCLOVAXForCausalLM"),),
+    "minicpm": (Target("minicpm3", "MiniCPM3ForCausalLM"),),
     "nanochat": (Target("nanochat", "NanoChatForCausalLM"),),
     "helium": (Target("helium", "HeliumForCausalLM"),),
     "jais": (Target("jais2", "Jais2ForCausalLM"),),
@@ -235,24 +235,25 @@ def loaded_classes() -> dict[type, Target]:
     return {cls: by_key[(cls.__module__, cls.__name__)] for cls in _STOCK_FORWARDS}
 
 
-def find_target(model: object, targets: tuple[Target, ...] = ALL_TARGETS) -> tuple[type, Target] | None:
-    """The supported class in ``type(model)``'s MRO that is one of ``targets``, with its target."""
+def _target_in_mro(cls: type, targets: tuple[Target, ...]) -> Target | None:
     by_key = {(t.module, t.class_name): t for t in targets}
-    for klass in type(model).__mro__:
+    for klass in cls.__mro__:
         target = by_key.get((klass.__module__, klass.__name__))
         if target is not None:
-            return load_class(target), target
+            return target
     return None
+
+
+def find_target(model: object, targets: tuple[Target, ...] = ALL_TARGETS) -> tuple[type, Target] | None:
+    """The supported class in ``type(model)``'s MRO that is one of ``targets``, with its target."""
+    target = _target_in_mro(type(model), targets)
+    return None if target is None else (load_class(target), target)
 
 
 @functools.cache
 def _decoder_attribute(cls: type) -> str:
-    by_key = {(t.module, t.class_name): t for t in ALL_TARGETS}
-    for klass in cls.__mro__:
-        target = by_key.get((klass.__module__, klass.__name__))
-        if target is not None:
-            return target.decoder
-    return cls.base_model_prefix
+    target = _target_in_mro(cls, ALL_TARGETS)
+    return cls.base_model_prefix if target is None else target.decoder
 
 
 def decoder_of(model: object) -> object:
