@@ -4,7 +4,8 @@ In transformers 5.x the dense ``*ForCausalLM.forward`` bodies are identical acro
 the MoE ones; these functions reproduce them with the ``lm_head`` matmul and the loss replaced by
 :func:`hf_flce.fused_linear_cross_entropy`. A vision-language ``*ForConditionalGeneration`` has the dense body with
 its own inputs (pixel values, token types) passed to its ``model`` and its own output class: its fused forward is
-made from its stock one (:func:`forward_from_stock`). Whenever logits are needed (no labels, evaluation, an adapter on
+made from its stock one (:func:`forward_from_stock`), as are those of the GPT-2 line (GPT-2, GPT-NeoX, OPT, BLOOM,
+...), whose inputs and decoder attribute are their own (``registry.decoder_of``). Whenever logits are needed (no labels, evaluation, an adapter on
 ``lm_head``) they call the class's stock forward instead, so those paths are stock by construction.
 """
 

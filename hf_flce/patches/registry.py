@@ -1,8 +1,8 @@
 """Which transformers classes each family covers, and their stock forwards.
 
 Per-family choices live in :data:`FAMILIES` and nowhere else: every dense class gets the same fused forward, every MoE
-class the MoE variant, every vision-language class one made from its stock forward. Classes are imported on first use,
-so listing a family costs nothing.
+class the MoE variant, every vision-language class (and every class whose forward takes inputs of its own) one made
+from its stock forward. Classes are imported on first use, so listing a family costs nothing.
 """
 
 from __future__ import annotations
