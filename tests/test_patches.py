@@ -1397,8 +1397,9 @@ def test_bf16_autocast_gradient_error_like_stock(name, tie):
 
 
 @pytest.mark.parametrize("defer", [False, True], ids=["", "defer_head_grad"])
-def test_torch_compile(defer):
-    patched, stock = patched_pair("Qwen3ForCausalLM", defer_head_grad=defer)
+@pytest.mark.parametrize("name", ["Qwen3ForCausalLM", "GPT2LMHeadModel"])  # the shared forward; one made from stock's
+def test_torch_compile(name, defer):
+    patched, stock = patched_pair(name, defer_head_grad=defer)
     ids, labels = make_batch()
     torch._dynamo.reset()
     compiled = torch.compile(patched, backend="aot_eager")
