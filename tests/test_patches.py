@@ -1267,6 +1267,22 @@ def test_peft_lora_and_modules_to_save():
         assert bool(config.modules_to_save) == any("modules_to_save" in n for n in trainable)
 
 
+def test_peft_on_a_forward_made_from_the_stock_one():
+    """A GPT-2-line model inside a ``PeftModel``: LoRA on GPT-NeoX's fused attention projection, and the head saved
+    whole (``modules_to_save``), whose active copy the fused loss uses."""
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(
+        r=4, target_modules=["query_key_value"], modules_to_save=["lm_head"], init_lora_weights=False
+    )
+    stock = peft.get_peft_model(make_model("GPTNeoXForCausalLM"), config)
+    patched = copy.deepcopy(stock)
+    assert apply_flce(patched) is patched
+    ids, labels = make_batch()
+    _, grads = loss_and_grads(stock, input_ids=ids, labels=labels)
+    assert any("lora_" in n for n in grads) and any("modules_to_save" in n for n in grads)
+    assert_same_training(patched, stock, input_ids=ids, labels=labels, num_items_in_batch=torch.tensor(11.0))
+
+
 @pytest.mark.parametrize("name", ["Qwen2_5_VLForConditionalGeneration", "Gemma3ForConditionalGeneration"])
 def test_vision_language_under_peft(name):
     """LoRA on the text model's attention (the usual vision-language fine-tune): the patch reaches the model inside
@@ -1300,8 +1316,9 @@ def test_peft_adapter_on_lm_head_falls_back_with_one_warning():
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
 @pytest.mark.parametrize("defer", [False, True], ids=["", "defer_head_grad"])
-def test_gradient_checkpointing(defer, reentrant):
-    patched, stock = patched_pair("Qwen2MoeForCausalLM", tie=True, defer_head_grad=defer)
+@pytest.mark.parametrize("name", ["Qwen2MoeForCausalLM", "GPTNeoXForCausalLM"])
+def test_gradient_checkpointing(name, defer, reentrant):
+    patched, stock = patched_pair(name, tie=True, defer_head_grad=defer)
     for model in (patched, stock):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     ids, labels = make_batch()

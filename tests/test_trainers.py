@@ -245,7 +245,7 @@ def test_head_matches_trl_contract(tokenizer, config, shifted):
 def test_head_finds_the_decoder_and_head_the_class_names(name):
     """The head calls the decoder the stock forward calls and the head ``get_output_embeddings`` returns, where they
     are not ``model`` and ``lm_head``: Llama 4's text model (whose ``base_model_prefix``, ``language_model``, names no
-    attribute), GPT-2's ``transformer``, GPT-NeoX's ``gpt_neox`` and ``embed_out``, OPT's ``model.decoder`` under
+    attribute), GPT-2's ``transformer``, GPT-NeoX's ``gpt_neox``, OPT's ``model.decoder`` under
     ``model``; Falcon-H1 scales its logits. The scalar NLL and every gradient are stock's."""
     stock = make_model(name)
     ours = copy.deepcopy(stock)

@@ -146,7 +146,7 @@ FAMILIES: dict[str, tuple[Target, ...]] = {
     "jamba": (Target("jamba", "JambaForCausalLM", moe=True),),
     "seed_oss": (Target("seed_oss", "SeedOssForCausalLM"),),
     # GPT-2-style classes take inputs of their own (token types, cross-attention states) and name their decoder
-    # ``transformer`` (GPT-NeoX ``gpt_neox``, its head ``embed_out``): the fused forward is made from the stock one.
+    # ``transformer`` (GPT-NeoX ``gpt_neox``): the fused forward is made from the stock one.
     # OPT's stock forward calls ``model.decoder``, which ``model``'s forward calls as it is.
     "gpt": (
         Target("gpt2", "GPT2LMHeadModel", own_inputs=True, decoder="transformer"),
