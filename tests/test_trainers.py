@@ -242,11 +242,11 @@ def test_head_matches_trl_contract(tokenizer, config, shifted):
 @pytest.mark.parametrize(
     "name", ["Llama4ForCausalLM", "GPT2LMHeadModel", "GPTNeoXForCausalLM", "OPTForCausalLM", "FalconH1ForCausalLM"]
 )
-def test_head_finds_the_decoder_and_head_the_class_names(name):
-    """The head calls the decoder the stock forward calls and the head ``get_output_embeddings`` returns, where they
-    are not ``model`` and ``lm_head``: Llama 4's text model (whose ``base_model_prefix``, ``language_model``, names no
-    attribute), GPT-2's ``transformer``, GPT-NeoX's ``gpt_neox``, OPT's ``model.decoder`` under
-    ``model``; Falcon-H1 scales its logits. The scalar NLL and every gradient are stock's."""
+def test_head_calls_the_decoder_the_class_calls(name):
+    """The head calls the decoder the stock forward calls where it is not ``base_model``'s: Llama 4's text model
+    (whose ``base_model_prefix``, ``language_model``, names no attribute, so ``base_model`` is the model itself), and
+    where it is not ``model``: GPT-2's ``transformer``, GPT-NeoX's ``gpt_neox`` (OPT's ``model`` calls its
+    ``model.decoder``); Falcon-H1 scales its logits. The scalar NLL and every gradient are stock's."""
     stock = make_model(name)
     ours = copy.deepcopy(stock)
     add_flce_lm_head(ours)
