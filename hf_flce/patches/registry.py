@@ -219,7 +219,8 @@ def load_class(target: Target) -> type:
 
 def installed_classes(targets: tuple[Target, ...]) -> dict[type, Target]:
     """The classes of ``targets`` that the installed transformers has. Of the supported releases (5.17-5.24), 5.17
-    lacks ``Lfm3ForCausalLM``; a release may lack or drop a class, and the class patch then covers the rest."""
+    lacks ``Lfm3ForCausalLM`` and 5.17 and 5.23 lack ``Apertus1p5TextForCausalLM``; a release may lack or drop a
+    class, and the class patch then covers the rest."""
     classes = {}
     for target in targets:
         try:
