@@ -353,6 +353,37 @@ CONFIGS = {
     "BloomForCausalLM": ("BloomConfig", dict(n_layer=2, n_head=4, hidden_dropout=0.0, attention_dropout=0.0)),
     "FalconForCausalLM": ("FalconConfig", dict(hidden_dropout=0.0, attention_dropout=0.0)),
     "MptForCausalLM": ("MptConfig", dict(d_model=32, n_heads=4, n_layers=2, max_seq_len=64, use_cache=True)),
+    # MoE without an aux loss: DeepSeek-style routing and latent attention (AXK 2 and dots.llm3 with a token
+    # indexer), Kolibri's experts
+    "AXK1ForCausalLM": ("AXK1Config", LATENT_MOE),
+    "AXK2ForCausalLM": ("AXK2Config", dict(**LATENT_MOE, head_dim=8, index_topk=4, index_head_dim=8)),
+    "Dots3NoteForCausalLM": (
+        "Dots3NoteTextConfig",
+        dict(**LATENT_MOE, head_dim=8, index_topk=4, index_head_dim=8, shared_experts_intermediate_size=32),
+    ),
+    "Kolibri1ForCausalLM": (
+        "Kolibri1Config",
+        dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+            head_dim=8,
+        ),
+    ),
+    # MoE with an aux loss
+    "LagunaForCausalLM": (
+        "LagunaConfig",
+        dict(
+            **MOE,
+            num_experts=4,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+            head_dim=8,
+            mlp_layer_types=["sparse", "sparse"],
+        ),
+    ),
+    "MellumForCausalLM": ("MellumConfig", dict(**MOE, num_experts=4, moe_intermediate_size=32, head_dim=8)),
     # Emu3's text model defaults to attention dropout, which would make the two models' draws differ
     "Emu3ForCausalLM": ("Emu3TextConfig", dict(attention_dropout=0.0)),
 }
