@@ -65,14 +65,13 @@ GROUPED_ROUTING = dict(
     topk_group=1,
     first_k_dense_replace=1,
 )
-LATENT_MOE = dict(
-    **GROUPED_ROUTING,
-    num_key_value_heads=4,
-    kv_lora_rank=16,
-    q_lora_rank=16,
-    qk_rope_head_dim=8,
-    qk_nope_head_dim=8,
-    v_head_dim=8,
+LATENT_ATTENTION = dict(
+    num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8
+)
+LATENT_MOE = dict(**GROUPED_ROUTING, **LATENT_ATTENTION)
+# Gemma 4's and Gemma 3n's per-layer inputs, and a cap that bends these tiny models' logits
+GEMMA_PER_LAYER_INPUTS = dict(
+    head_dim=8, final_logit_softcapping=2.0, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8
 )
 # DeepSeek-V4: routed experts in both layers (its default first layers hash tokens to experts, with no router
 # logits), its two compressed attentions at small rates
@@ -192,13 +191,7 @@ CONFIGS = {
     # Gemma 4 passes per-layer inputs of its own to its model
     "Gemma4ForCausalLM": (
         "Gemma4TextConfig",
-        dict(
-            head_dim=8,
-            global_head_dim=8,
-            final_logit_softcapping=2.0,
-            vocab_size_per_layer_input=VOCAB,
-            hidden_size_per_layer_input=8,
-        ),
+        dict(**GEMMA_PER_LAYER_INPUTS, global_head_dim=8),
     ),
     "Qwen4ExpForCausalLM": ("Qwen4ExpTextConfig", dict(**QWEN_MOE, **QWEN4_EXP)),
     "OlmoHybridForCausalLM": ("OlmoHybridConfig", dict(head_dim=8)),
@@ -265,13 +258,10 @@ CONFIGS = {
     "Gemma3nForCausalLM": (
         "Gemma3nTextConfig",
         dict(
-            head_dim=8,
-            final_logit_softcapping=2.0,
+            **GEMMA_PER_LAYER_INPUTS,
             layer_types=["sliding_attention", "full_attention"],
             num_kv_shared_layers=0,
             activation_sparsity_pattern=[0.0, 0.0],
-            vocab_size_per_layer_input=VOCAB,
-            hidden_size_per_layer_input=8,
             laurel_rank=4,
         ),
     ),
@@ -316,16 +306,7 @@ CONFIGS = {
     # multi-head latent attention; hidden states divided by hidden_size / dim_model_base = 2 before lm_head
     "MiniCPM3ForCausalLM": (
         "MiniCPM3Config",
-        dict(
-            head_dim=8,
-            num_key_value_heads=4,
-            kv_lora_rank=16,
-            q_lora_rank=16,
-            qk_rope_head_dim=8,
-            qk_nope_head_dim=8,
-            v_head_dim=8,
-            dim_model_base=16,
-        ),
+        dict(**LATENT_ATTENTION, head_dim=8, dim_model_base=16),
     ),
     # logits multiplied by logits_scaling
     "HyperCLOVAXForCausalLM": ("HyperCLOVAXConfig", dict(logits_scaling=0.25)),
@@ -334,9 +315,7 @@ CONFIGS = {
     "Jais2ForCausalLM": ("Jais2Config", {}),
     "YoutuForCausalLM": (
         "YoutuConfig",
-        dict(
-            num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8
-        ),
+        LATENT_ATTENTION,
     ),
     "CwmForCausalLM": ("CwmConfig", dict(head_dim=8)),
     "PersimmonForCausalLM": ("PersimmonConfig", {}),
